@@ -1,0 +1,153 @@
+"""Batch structure helpers: find the batch size, cut a micro-batch, put outputs back together.
+
+A batch is any nesting of mappings, sequences, namedtuples and dataclasses around tensors (or NumPy arrays). The
+batch size ``N`` is the length of the first dimension of the first tensor found depth-first. A micro-batch keeps
+the structure and cuts every tensor whose first dimension is ``N``; other tensors (a scalar, a shared mask) are
+passed unchanged. A list or tuple of ``N`` non-tensor leaves (strings, ids) is a per-sample list and is cut too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # NumPy is optional for torch; batches may still carry arrays when it is there.
+    import numpy as np
+
+    _ARRAY_TYPES: tuple[type, ...] = (Tensor, np.ndarray)
+except ImportError:  # pragma: no cover - numpy ships with every torch wheel we support
+    _ARRAY_TYPES = (Tensor,)
+
+_LEAF_TYPES = (str, bytes, int, float, bool, type(None))
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The first dimension of the first tensor in ``batch`` (depth-first), or None when there is none."""
+    if isinstance(batch, _ARRAY_TYPES):
+        return int(batch.shape[0]) if batch.ndim > 0 else None
+    if isinstance(batch, Mapping):
+        children: Any = batch.values()
+    elif _is_dataclass_instance(batch):
+        children = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        children = batch
+    else:
+        return None
+    for child in children:
+        size = batch_size_of(child)
+        if size is not None:
+            return size
+    return None
+
+
+def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
+    """Samples ``start:stop`` of a batch of ``size`` samples, keeping its structure.
+
+    Example:
+        >>> b = {"x": torch.arange(6).view(3, 2), "ids": ["a", "b", "c"], "scale": torch.tensor(2.0)}
+        >>> part = slice_batch(b, 1, 3, 3)
+        >>> part["x"].tolist(), part["ids"], part["scale"].item()
+        ([[2, 3], [4, 5]], ['b', 'c'], 2.0)
+    """
+    if isinstance(batch, _ARRAY_TYPES):
+        return batch[start:stop] if batch.ndim > 0 and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        items = {k: slice_batch(v, start, stop, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # mappings without a dict constructor (e.g. defaultdict needs a factory)
+            return items
+    if _is_namedtuple(batch):
+        return type(batch)(*(slice_batch(v, start, stop, size) for v in batch))
+    if _is_dataclass_instance(batch):
+        changes = {
+            f.name: slice_batch(getattr(batch, f.name), start, stop, size) for f in dataclasses.fields(batch) if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == size and batch and all(isinstance(v, _LEAF_TYPES) for v in batch):
+            return batch[start:stop]  # a per-sample list such as ids or captions
+        return type(batch)(slice_batch(v, start, stop, size) for v in batch)
+    return batch
+
+
+def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the micro-batches that cover ``batch_size`` samples: full ones, then the remainder.
+
+    Example:
+        >>> split_sizes(10, 4)
+        [4, 4, 2]
+    """
+    micro = max(1, min(micro_batch_size, batch_size))
+    full, rest = divmod(batch_size, micro)
+    return [micro] * full + ([rest] if rest else [])
+
+
+def scale_loss(loss: Tensor, *, sizes: list[int], index: int) -> Tensor:
+    """Weight micro-batch ``index``'s mean loss so the micro-batches add up to the whole batch's mean.
+
+    An even split divides by the number of micro-batches, as Lightning's own accumulation does, so the result is
+    bit-identical to it; an uneven split weights by ``n_i / N``.
+    """
+    if len(sizes) == 1:
+        return loss
+    if all(n == sizes[0] for n in sizes):
+        return loss / len(sizes)
+    return loss * (sizes[index] / sum(sizes))
+
+
+def scale_step_output(output: Any, *, sizes: list[int], index: int) -> Any:
+    """Apply :func:`scale_loss` to what ``training_step`` returned (a loss tensor, a dict with "loss", or None)."""
+    if isinstance(output, Tensor):
+        return scale_loss(output, sizes=sizes, index=index)
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        scaled = dict(output)
+        scaled["loss"] = scale_loss(output["loss"], sizes=sizes, index=index)
+        return scaled
+    return output
+
+
+def combine_outputs(outputs: list[Any], sizes: list[int]) -> Any:
+    """Put the outputs of the micro-batches of one evaluation batch back together.
+
+    Tensors whose first dimension is the micro-batch size are concatenated, other tensors and numbers are averaged
+    weighted by micro-batch size, containers are combined element-wise, anything else is taken from the last part.
+
+    Example:
+        >>> combine_outputs([torch.ones(2, 3), torch.zeros(1, 3)], [2, 1]).shape
+        torch.Size([3, 3])
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if first.ndim > 0 and all(o.ndim > 0 and o.shape[0] == n for o, n in zip(outputs, sizes)):
+            return torch.cat(outputs)
+        total = sum(sizes)
+        return sum(o * (n / total) for o, n in zip(outputs, sizes))
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(o * n for o, n in zip(outputs, sizes)) / sum(sizes)
+    if isinstance(first, Mapping):
+        return type(first)({k: combine_outputs([o[k] for o in outputs], sizes) for k in first})
+    if _is_namedtuple(first):
+        return type(first)(*(combine_outputs(list(parts), sizes) for parts in zip(*outputs)))
+    if isinstance(first, (list, tuple)):
+        per_sample = all(isinstance(v, _LEAF_TYPES) for o in outputs for v in o)
+        if per_sample and all(len(o) == n for o, n in zip(outputs, sizes)):
+            return type(first)(item for o in outputs for item in o)  # per-sample lists concatenate
+        return type(first)(combine_outputs(list(parts), sizes) for parts in zip(*outputs))
+    return outputs[-1]

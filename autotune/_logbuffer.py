@@ -1,0 +1,96 @@
+"""Buffer ``LightningModule.log`` calls made by micro-batches and commit one weighted value per key.
+
+A failed attempt's calls are discarded, so a replay does not count twice in epoch means; a successful step logs
+each key once, as if the whole batch had gone through at once: means are weighted by micro-batch size (or by the
+``batch_size`` the user passed), sums add up, max and min take the extreme. Metric objects (torchmetrics) keep
+their own state and are passed through from the last call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_MEAN = ("mean", "avg")
+
+
+def _reduce_name(reduce_fx: Any) -> str:
+    if isinstance(reduce_fx, str):
+        return reduce_fx.lower()
+    for name, fn in (("mean", torch.mean), ("sum", torch.sum), ("max", torch.max), ("min", torch.min)):
+        if reduce_fx is fn:
+            return name
+    return "other"
+
+
+def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
+    last = values[-1]
+    if not all(isinstance(v, (Tensor, int, float)) and not isinstance(v, bool) for v in values):
+        return last  # Metric objects and anything else: the last call wins
+    how = _reduce_name(reduce_fx)
+    if how in _MEAN:
+        total = sum(weights)
+        combined = sum(v * (w / total) for v, w in zip(values, weights))
+    elif how == "sum":
+        combined = sum(values)
+    elif how in ("max", "min"):
+        pick = max if how == "max" else min
+        combined = pick(values, key=lambda v: float(v.detach()) if isinstance(v, Tensor) else float(v))
+    else:
+        return last
+    return combined
+
+
+class LogBuffer:
+    """Wraps a ``log`` function; between :meth:`start` and :meth:`flush` calls are recorded, not made."""
+
+    def __init__(self, log_fn: Callable[..., Any]) -> None:
+        self.log_fn = log_fn
+        self._signature = inspect.signature(log_fn)
+        self.active = False
+        self.n = 1
+        self._records: dict[str, list[dict[str, Any]]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if not self.active:
+            self.log_fn(*args, **kwargs)
+            return
+        arguments = dict(self._signature.bind(*args, **kwargs).arguments)
+        arguments["_weight"] = float(arguments.get("batch_size") or self.n)
+        self._records.setdefault(arguments["name"], []).append(arguments)
+
+    def start(self) -> None:
+        self.active = True
+        self._records = {}
+
+    def discard(self) -> None:
+        self.active = False
+        self._records = {}
+
+    def flush(self, *, fx_owner: Any, fx_name: str | None) -> None:
+        """Make the recorded calls, one per key, as if from hook ``fx_name`` of ``fx_owner``."""
+        self.active = False
+        records, self._records = self._records, {}
+        if not records:
+            return
+        previous = getattr(fx_owner, "_current_fx_name", None) if fx_owner is not None else None
+        if fx_owner is not None:
+            fx_owner._current_fx_name = fx_name
+        try:
+            for calls in records.values():
+                arguments = dict(calls[-1])
+                weights = [c.pop("_weight") for c in calls]
+                arguments.pop("_weight", None)
+                if len(calls) > 1:
+                    reduce_fx = arguments.get("reduce_fx", "mean")
+                    arguments["value"] = _combine([c["value"] for c in calls], weights, reduce_fx)
+                    if any(c.get("batch_size") is not None for c in calls):
+                        arguments["batch_size"] = int(sum(weights))
+                self.log_fn(**arguments)
+        finally:
+            if fx_owner is not None:
+                fx_owner._current_fx_name = previous

@@ -1,0 +1,198 @@
+"""Step-level memory tools: peak meter, random-state capture, update snapshot, freeing memory after an OOM."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemoryMeter:
+    """Peak memory of one step on one device.
+
+    CUDA: the caching allocator's peak reserved bytes (what ``set_per_process_memory_fraction`` caps) and peak
+    allocated bytes, reset at the start of each step. CPU: the process's peak resident set size (Linux ``VmHWM``),
+    reset at the start of each step through ``/proc/self/clear_refs``; where that reset is not possible the peak
+    is the process's lifetime peak RSS, which can only over-report.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._can_reset_rss = not self.is_cuda and os.access("/proc/self/clear_refs", os.W_OK)
+
+    def start(self) -> int:
+        """Reset the peak and return the bytes in use now (the step's static part)."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        if self._can_reset_rss:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
+            except OSError:
+                self._can_reset_rss = False
+        return current_rss_bytes()
+
+    def peak(self) -> int:
+        """Peak bytes since :meth:`start` (CUDA: reserved; CPU: resident set)."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_reserved(self.device)
+        return peak_rss_bytes()
+
+    def peak_allocated(self) -> int:
+        """Peak bytes held by live tensors since :meth:`start` (CUDA); the resident set peak on CPU."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set size in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except OSError:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (since the last reset where supported)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class RNGState:
+    """The random state that dropout and friends draw from, so a replay draws the same numbers."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.python = random.getstate()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+
+
+class UpdateSnapshot:
+    """A host copy of parameters and optimizer state, taken before an update so a failed update can be undone.
+
+    Host buffers are allocated once and reused. On CUDA the copies run on a side stream into pinned memory while
+    forward and backward run, and :meth:`wait` makes the update wait for them.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._params: list[tuple[Tensor, Tensor]] = []
+        self._state: dict[Tensor, dict[str, Any]] = {}
+        self._groups: list[dict[str, Any]] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._stream: Any = None
+
+    def _host_copy(self, tensor: Tensor, key: tuple[int, str]) -> Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.is_cuda
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        return buf
+
+    def capture(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy every parameter of ``optimizer`` and its state to the host."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        on_cuda = any(p.is_cuda for p in params)
+        if on_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            ctx: Any = torch.cuda.stream(self._stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            self._params = [(p, self._host_copy(p, (id(p), "param"))) for p in params]
+            self._state = {}
+            for p, state in optimizer.state.items():
+                saved: dict[str, Any] = {}
+                for k, v in state.items():
+                    saved[k] = self._host_copy(v, (id(p), k)) if isinstance(v, Tensor) else _copy_value(v)
+                self._state[p] = saved
+        self._groups = [{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self._optimizer = optimizer
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait until the capture is complete (no-op on CPU)."""
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def restore(self) -> None:
+        """Put parameters, optimizer state and hyper-parameters back as they were at :meth:`capture`."""
+        optimizer = self._optimizer
+        if optimizer is None:
+            raise RuntimeError("UpdateSnapshot.restore() called before capture()")
+        self.wait()
+        with torch.no_grad():
+            for p, saved in self._params:
+                p.copy_(saved)
+            for p in list(optimizer.state):
+                if p not in self._state:
+                    del optimizer.state[p]  # state created lazily by the failed update
+            for p, saved_state in self._state.items():
+                state = optimizer.state[p]
+                for k in list(state):
+                    if k not in saved_state:
+                        del state[k]
+                for k, v in saved_state.items():
+                    current = state.get(k)
+                    if isinstance(v, Tensor):
+                        if isinstance(current, Tensor) and current.shape == v.shape and current.dtype == v.dtype:
+                            current.copy_(v)
+                        else:
+                            state[k] = v.to(p.device if current is None else current.device, copy=True)
+                    else:
+                        state[k] = _copy_value(v)
+        for group, saved_group in zip(optimizer.param_groups, self._groups):
+            group.update({k: _copy_value(v) for k, v in saved_group.items()})
+
+
+def _copy_value(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy_value(v) for k, v in value.items()}
+    return value
+
+
+def release_memory(grads_of: Iterable[Tensor], device: torch.device) -> None:
+    """Drop gradients and cached blocks after an OOM so the replay starts from the step's static memory."""
+    for p in grads_of:
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

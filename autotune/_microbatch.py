@@ -1,0 +1,393 @@
+"""The engine behind :class:`autotune.callbacks.ElasticBatchSize`: split, replay, agree, grow.
+
+One optimizer step of Lightning runs ``optimizer.step(closure)``. The engine hands the optimizer a closure that
+calls Lightning's own closure once per micro-batch (``training_step`` is wrapped to cut micro-batch ``i`` out of
+the batch and weight its loss), so forward, backward and the update of every micro-batch surface in one place.
+An out-of-memory error there is caught, gradients are dropped, the parameters and optimizer state are put back
+when the update itself failed, the random state is restored, and the same batch is replayed at a smaller
+micro-batch. Lightning sees one successful ``optimizer_step`` per batch: its step counters, LR schedulers and
+gradient clipping are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from autotune._batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
+from autotune._budget import format_bytes
+from autotune._logbuffer import LogBuffer
+from autotune._memory import MemoryMeter, RNGState, UpdateSnapshot, release_memory
+from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+
+log = logging.getLogger("autotune")
+
+#: Grow only when the step's peak, scaled to the larger micro-batch, stays under this share of the limit.
+GROW_HEADROOM = 0.9
+
+
+@rank_zero_only
+def _info(msg: str) -> None:
+    log.info(msg)
+
+
+class _PeerOutOfMemory(RuntimeError):
+    """Raised on ranks that did not run out of memory themselves when another rank did."""
+
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One decision of the engine: ``kind`` is "oom", "grow", "grow_failed", "over_budget" or "eval_oom"."""
+
+    kind: str
+    step: int
+    batch_size: int
+    previous: int
+    micro_batch_size: int
+    where: str = ""
+    peak_bytes: int = 0
+
+
+class Agreement:
+    """The few collectives that keep ranks in step; everything is local when there is one process."""
+
+    def __init__(self, device: torch.device, world_size: int) -> None:
+        self.enabled = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.device = device
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        if not self.enabled:
+            return flag
+        return self.max(1.0 if flag else 0.0)[0] > 0
+
+    def max(self, *values: float) -> list[float]:
+        """The element-wise maximum of ``values`` over ranks."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64 if self.device.type != "mps" else torch.float32)
+        t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average gradients over ranks as DDP does (divide by world size, then sum), once per step."""
+        if not self.enabled:
+            return
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)  # a parameter used on any rank is reduced on all
+        world = dist.get_world_size()
+        works = []
+        for p, used in zip(params, has_grad.tolist()):
+            if not used:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(world)
+            works.append(dist.all_reduce(p.grad, async_op=True))
+        for work in works:
+            work.wait()
+
+
+class ElasticEngine:
+    """Micro-batch size policy and the step runners; one per fit, owned by the callback."""
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | None,
+        min_micro_batch_size: int,
+        grow: bool,
+        grow_after: int,
+        protect_update: bool,
+        budget_bytes: int | None,
+        budget_text: str | None,
+        hard_budget: bool,
+        limit_bytes: int | None,
+        device: torch.device,
+        world_size: int,
+        log_fn: Callable[..., Any],
+    ) -> None:
+        self.micro_batch_size = micro_batch_size
+        self.min_micro_batch_size = min_micro_batch_size
+        self.grow = grow
+        self.grow_wait = grow_after
+        self.protect_update = protect_update
+        self.budget_bytes = budget_bytes
+        self.budget_text = budget_text
+        self.hard_budget = hard_budget
+        self.limit_bytes = limit_bytes
+        self.device = device
+        self.agree = Agreement(device, world_size)
+        self.logs = LogBuffer(log_fn)
+        self.meter = MemoryMeter(device)
+        self.snapshot = UpdateSnapshot()
+        # Policy state (saved in checkpoints).
+        self.clean_steps = 0
+        self.oom_events = 0
+        self.growing_from: int | None = None
+        self.events: list[ElasticEvent] = []
+        self.eval_micro_batch_size: dict[str, int] = {}
+        # Per-step state.
+        self.batch_size: int | None = None
+        self.sizes: list[int] = []
+        self.index = 0
+        self.phase = "closure"
+        self.last_peak_bytes = 0
+        self._warned_floor = False
+
+    # ----------------------------------------------------------------------------------------------- training
+    def start_batch(self, batch: Any) -> None:
+        """Called with the host batch before the step: fixes the step's batch size ``N``."""
+        self.batch_size = batch_size_of(batch)
+        self.sizes = [self.batch_size] if self.batch_size else []
+        self.index = 0
+
+    def micro_part(self, batch: Any) -> tuple[Any, bool]:
+        """The current micro-batch of ``batch`` and whether the batch is being split at all."""
+        n = self.batch_size
+        if not n or len(self.sizes) <= 1:
+            return batch, False
+        start = sum(self.sizes[: self.index])
+        return slice_batch(batch, start, start + self.sizes[self.index], n), True
+
+    def scale_output(self, output: Any) -> Any:
+        return scale_step_output(output, sizes=self.sizes, index=self.index) if len(self.sizes) > 1 else output
+
+    def run_training_step(
+        self,
+        *,
+        step: Callable[[Callable[[], Any]], Any],
+        closure: Callable[[], Any],
+        optimizer: torch.optim.Optimizer,
+        module: torch.nn.Module,
+        ddp_model: Any,
+        scaler: Any,
+        global_step: int,
+    ) -> Any:
+        """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM."""
+        n = self.batch_size
+        if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
+            return step(closure)
+        if self.micro_batch_size is None:
+            self.micro_batch_size = n
+        rng = RNGState()
+        if self.protect_update:
+            self.snapshot.capture(optimizer)
+        static = self.meter.start()
+        while True:
+            micro = min(self.micro_batch_size, n)
+            self.sizes = split_sizes(n, micro)
+            self.phase = "closure"
+            self.logs.start()
+            failed_in = ""
+            cause: BaseException | None = None
+            try:
+                result = step(self._multi_closure(closure, module, ddp_model))
+            except BaseException as exc:
+                self.logs.discard()
+                if not (is_oom_error(exc) or isinstance(exc, _PeerOutOfMemory)):
+                    raise
+                failed_in = self.phase
+                if failed_in == "update" and self.agree.enabled:
+                    self.agree.any(True)
+                next_micro = self._shrink(micro)
+                if next_micro is None:
+                    raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, _PeerOutOfMemory)) from exc
+                if failed_in == "update" and not self.protect_update:
+                    raise OutOfMemoryAtMinimumError(
+                        "Out of memory inside the optimizer update with protect_update=False: the update may be "
+                        "half-applied and cannot be replayed. Use ElasticBatchSize(protect_update=True)."
+                    ) from exc
+                cause = exc
+            else:
+                if self.agree.enabled and self.agree.any(False):
+                    failed_in = "update"  # a peer failed in its update: undo ours too
+                    next_micro = self._shrink(micro)
+                    if next_micro is None:
+                        raise self._floor_error(n, micro, failed_in, peer=True)
+            if not failed_in:
+                break
+            # Recover outside the except block: its traceback holds the frames of the failed attempt.
+            del cause
+            optimizer.zero_grad(set_to_none=True)
+            release_memory(module.parameters(), self.device)
+            if failed_in == "update":
+                self.snapshot.restore()
+            if scaler is not None:
+                scaler._per_optimizer_states.clear()  # forget unscale_/inf checks of the failed attempt
+            rng.restore()
+            self._record("grow_failed" if self.growing_from is not None else "oom", global_step, micro, next_micro,
+                         failed_in)
+            self.growing_from = None
+            self.micro_batch_size = next_micro
+            static = self.meter.start()
+        self.logs.flush(fx_owner=module, fx_name="training_step")
+        self._after_success(n, micro, static, global_step)
+        return result
+
+    def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any) -> Callable[[], Any]:
+        def run_micro_batches() -> Any:
+            total = None
+            for i in range(len(self.sizes)):
+                self.index = i
+                self.logs.n = self.sizes[i]
+                sync_off = ddp_model.no_sync() if self.agree.enabled and ddp_model is not None else contextlib.nullcontext()
+                try:
+                    with sync_off:
+                        loss = closure()
+                except BaseException as exc:
+                    if self.agree.enabled and is_oom_error(exc):
+                        self.agree.any(True)  # tell the peers before leaving
+                    raise
+                if self.agree.enabled and self.agree.any(False):
+                    raise _PeerOutOfMemory("another rank ran out of memory in this step")
+                if loss is not None:
+                    total = loss if total is None else total + loss
+            self.agree.average_gradients([p for p in module.parameters() if p.requires_grad])
+            if self.protect_update:
+                self.snapshot.wait()
+            self.phase = "update"
+            _set_closure_loss(closure, total)
+            return total
+
+        return run_micro_batches
+
+    def _shrink(self, micro: int) -> int | None:
+        """The micro-batch to replay with after an OOM at ``micro``; None when nothing smaller is allowed."""
+        if self.growing_from is not None:
+            return self.growing_from
+        if micro <= self.min_micro_batch_size:
+            return None
+        return max(self.min_micro_batch_size, micro // 2)
+
+    def _after_success(self, n: int, micro: int, static: int, global_step: int) -> None:
+        peak = self.meter.peak()
+        if self.growing_from is not None:
+            self._record("grow", global_step, self.growing_from, micro, peak=peak)
+            self.growing_from = None
+        self.clean_steps += 1
+        soft = self.budget_bytes is not None and not self.hard_budget
+        grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait
+        if soft or grow_due:  # decisions every rank must take alike: decide on the worst rank's figures
+            peak_f, static_f = self.agree.max(float(peak), float(static))
+            peak, static = int(peak_f), int(static_f)
+        self.last_peak_bytes = peak
+        if soft and self.budget_bytes is not None and peak > self.budget_bytes:
+            if micro > self.min_micro_batch_size:
+                smaller = max(self.min_micro_batch_size, micro // 2)
+                self._record("over_budget", global_step, micro, smaller, peak=peak)
+                self.micro_batch_size = smaller
+                self.clean_steps = 0
+            elif not self._warned_floor:
+                self._warned_floor = True
+                log.warning(
+                    "Step peak %s is over the budget %s at the minimum micro-batch %d; the CPU budget is soft, "
+                    "training goes on.", format_bytes(peak), self.budget_text, micro,
+                )
+            return
+        if not grow_due:
+            return
+        self.clean_steps = 0
+        target = min(n, micro * 2)
+        projected = static + (peak - static) * target / micro
+        if self.limit_bytes is None or projected <= GROW_HEADROOM * self.limit_bytes:
+            _info(f"autotune: growing the micro-batch {micro} -> {target} (projected peak {format_bytes(int(projected))})")
+            self.growing_from = micro
+            self.micro_batch_size = target
+        else:
+            log.debug("autotune: not growing %d -> %d: projected peak %s", micro, target, format_bytes(int(projected)))
+
+    def _record(self, kind: str, step: int, previous: int, new: int, where: str = "", peak: int | None = None) -> None:
+        if kind in ("oom", "grow_failed", "eval_oom"):
+            self.oom_events += 1
+            self.clean_steps = 0
+        if kind == "grow_failed":
+            self.grow_wait *= 2
+        peak = self.meter.peak() if peak is None else peak
+        event = ElasticEvent(kind, step, self.batch_size or 0, previous, new, where, peak)
+        self.events.append(event)
+        del self.events[:-1000]  # keep the checkpoint small on very long runs
+        _info(f"autotune: {kind} at step {step} ({where or 'step'}): micro-batch {previous} -> {new}")
+
+    def _floor_error(self, n: int, micro: int, where: str, *, peer: bool) -> OutOfMemoryAtMinimumError:
+        budget = self.budget_text or "none (no cap)"
+        who = "another rank" if peer else "this rank"
+        return OutOfMemoryAtMinimumError(
+            f"Out of memory at the minimum micro-batch ({who}, in the {where or 'step'}): batch size {n}, "
+            f"micro-batch {micro} (min_micro_batch_size={self.min_micro_batch_size}), budget {budget}, "
+            f"peak {format_bytes(self.meter.peak())}. Reduce memory per sample (precision, activation "
+            "checkpointing), lower min_micro_batch_size, or raise the budget."
+        )
+
+    # --------------------------------------------------------------------------------------------- evaluation
+    def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
+        """Run an evaluation step, splitting its batch after an OOM; the training micro-batch is not touched."""
+        n = batch_size_of(batch)
+        rng = RNGState()
+        while True:
+            micro = min(self.eval_micro_batch_size.get(stage, n or 1), n or 1)
+            sizes = split_sizes(n, micro) if n else [1]
+            self.logs.start()
+            try:
+                outputs, start = [], 0
+                for size in sizes:
+                    part = batch if len(sizes) == 1 else slice_batch(batch, start, start + size, n)
+                    self.logs.n = size
+                    outputs.append(step(part, *args, **kwargs))
+                    start += size
+            except BaseException as exc:
+                self.logs.discard()
+                if not is_oom_error(exc):
+                    raise
+                if not n or micro <= 1:
+                    raise OutOfMemoryAtMinimumError(
+                        f"Out of memory in {stage} at the smallest evaluation split: batch size {n}, micro-batch "
+                        f"{micro}, budget {self.budget_text or 'none (no cap)'}, peak "
+                        f"{format_bytes(self.meter.peak())}."
+                    ) from exc
+                smaller = micro // 2
+            else:
+                self.logs.flush(fx_owner=None, fx_name=None)
+                return combine_outputs(outputs, sizes)
+            outputs = []
+            release_memory((), self.device)
+            rng.restore()
+            self.eval_micro_batch_size[stage] = smaller
+            self._record("eval_oom", -1, micro, smaller, where=stage)
+
+    # ------------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "clean_steps": self.clean_steps,
+            "grow_wait": self.grow_wait,
+            "oom_events": self.oom_events,
+            "events": [asdict(e) for e in self.events],
+            "eval_micro_batch_size": dict(self.eval_micro_batch_size),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_batch_size = state.get("micro_batch_size", self.micro_batch_size)
+        self.clean_steps = state.get("clean_steps", 0)
+        self.grow_wait = state.get("grow_wait", self.grow_wait)
+        self.oom_events = state.get("oom_events", 0)
+        self.events = [ElasticEvent(**e) for e in state.get("events", [])]
+        self.eval_micro_batch_size = dict(state.get("eval_micro_batch_size", {}))
+
+
+def _set_closure_loss(closure: Any, total: Any) -> None:
+    """Make Lightning's closure report the whole batch's loss (the sum of the weighted micro-batch losses)."""
+    result = getattr(closure, "_result", None)
+    if result is None or total is None or not hasattr(result, "closure_loss"):
+        return
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    closure._result = ClosureResult(closure_loss=total.detach(), extra=result.extra)

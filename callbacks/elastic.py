@@ -1,0 +1,297 @@
+"""``ElasticBatchSize``: fit the effective batch the dataloader yields into the memory there is."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from autotune._budget import Budget, format_bytes
+from autotune._microbatch import ElasticEngine, ElasticEvent
+from autotune._probe import probe_memory
+
+log = logging.getLogger("autotune")
+
+_EVAL_STEPS = {"validation_step": "validate", "test_step": "test", "predict_step": "predict"}
+
+
+class ElasticBatchSize(Callback):
+    """Split each optimizer step into micro-batches that fit the memory budget, and recover from OOM exactly.
+
+    The dataloader yields the effective batch (the math); run with ``Trainer(accumulate_grad_batches=1)``. Each
+    step is cut into micro-batches whose gradients are accumulated before one optimizer update. An out-of-memory
+    error in forward, backward or the update replays the same samples at half the micro-batch: no sample is lost
+    or seen twice, and the weights are those of Lightning's own accumulation at that micro-batch. After
+    ``grow_after`` clean steps with room to spare, the micro-batch is doubled again (never above the batch); if
+    that fails, it goes back and waits twice as long before the next try.
+
+    Args:
+        budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's
+            total like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only. On CUDA the
+            budget is a hard cap on the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so a
+            large GPU behaves like a smaller one. On CPU it is soft: the step's peak resident set size is checked
+            after the step and an overshoot halves the micro-batch of the next step.
+        micro_batch_size: the micro-batch to start with; None starts with the whole batch.
+        min_micro_batch_size: an OOM at this size ends ``fit`` with
+            :class:`~autotune.OutOfMemoryAtMinimumError`.
+        grow: whether to try larger micro-batches again after clean steps.
+        grow_after: clean steps before the first try to grow (doubled after each failed try).
+        protect_update: copy parameters and optimizer state to the host before each update so an OOM inside
+            ``optimizer.step`` can be undone and replayed. Costs one host copy of them per step (overlapped with
+            forward and backward on CUDA). With False, an OOM inside the update ends ``fit`` with a clear error.
+
+    Raises:
+        ValueError: for a bad argument, naming it and what is accepted.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from autotune.callbacks import ElasticBatchSize
+        >>> trainer = Trainer(callbacks=[ElasticBatchSize(budget="20GiB")], accumulate_grad_batches=1)  # doctest: +SKIP
+    """
+
+    SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+
+    def __init__(
+        self,
+        *,
+        budget: str | int | float | None = None,
+        micro_batch_size: int | None = None,
+        min_micro_batch_size: int = 1,
+        grow: bool = True,
+        grow_after: int = 50,
+        protect_update: bool = True,
+    ) -> None:
+        _check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
+        _check_positive_int("min_micro_batch_size", min_micro_batch_size, allow_none=False)
+        _check_positive_int("grow_after", grow_after, allow_none=False)
+        if micro_batch_size is not None and micro_batch_size < min_micro_batch_size:
+            raise ValueError(
+                f"`micro_batch_size` ({micro_batch_size}) must be >= `min_micro_batch_size` ({min_micro_batch_size})"
+            )
+        self.budget = None if budget is None else Budget.parse(budget)
+        self._start_micro_batch_size = micro_batch_size
+        self.min_micro_batch_size = min_micro_batch_size
+        self.grow = bool(grow)
+        self.grow_after = grow_after
+        self.protect_update = bool(protect_update)
+        self.engine: ElasticEngine | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._restore: list[tuple[Any, str, bool, Any]] = []
+        self._fraction_set_on: torch.device | None = None
+
+    # ------------------------------------------------------------------------------------------ public state
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The training micro-batch in use now (None before the first batch when starting from the whole batch)."""
+        return self.engine.micro_batch_size if self.engine is not None else self._start_micro_batch_size
+
+    @property
+    def events(self) -> list[ElasticEvent]:
+        """Every shrink, grow and failed grow so far, oldest first."""
+        return list(self.engine.events) if self.engine is not None else []
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget resolved against the device at ``setup`` (None without a budget)."""
+        return self.engine.budget_bytes if self.engine is not None else None
+
+    # ----------------------------------------------------------------------------------------------- set up
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            _check_trainer(trainer, pl_module, self.SUPPORTED_STRATEGIES)
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
+            rank_zero_warn(
+                "ElasticBatchSize: the model has BatchNorm layers; splitting a batch changes their batch statistics "
+                "(as any gradient accumulation does). Prefer LayerNorm/GroupNorm, or keep micro_batch_size = batch."
+            )
+        device = trainer.strategy.root_device
+        budget_bytes, limit = self._resolve_budget(device)
+        self.engine = ElasticEngine(
+            micro_batch_size=self._start_micro_batch_size,
+            min_micro_batch_size=self.min_micro_batch_size,
+            grow=self.grow,
+            grow_after=self.grow_after,
+            protect_update=self.protect_update,
+            budget_bytes=budget_bytes,
+            budget_text=None if self.budget is None else str(self.budget),
+            hard_budget=device.type == "cuda",
+            limit_bytes=limit,
+            device=device,
+            world_size=trainer.world_size,
+            log_fn=pl_module.log,
+        )
+        if self._pending_state is not None:
+            self.engine.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self._install(trainer, pl_module)
+
+    def _resolve_budget(self, device: torch.device) -> tuple[int | None, int | None]:
+        probe = probe_memory(device)
+        if self.budget is None:
+            return None, probe.total_bytes if device.type == "cuda" else probe.free_bytes
+        budget_bytes = self.budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+        if device.type == "cuda":
+            fraction = min(1.0, budget_bytes / probe.total_bytes)
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
+            self._fraction_set_on = device
+            log.info("autotune: CUDA allocator capped at %s (%.3f of %s)", format_bytes(budget_bytes), fraction,
+                     format_bytes(probe.total_bytes))
+        return budget_bytes, budget_bytes
+
+    def _patch(self, obj: Any, name: str, new: Any) -> None:
+        had = name in obj.__dict__
+        self._restore.append((obj, name, had, obj.__dict__.get(name)))
+        setattr(obj, name, new)
+
+    def _install(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        engine = self.engine
+        assert engine is not None  # set just before; not user input
+        original_step = pl_module.optimizer_step
+        original_training_step = pl_module.training_step
+        original_zero_grad = pl_module.optimizer_zero_grad
+        original_transfer = pl_module._apply_batch_transfer_handler
+
+        def in_training() -> bool:
+            return trainer.state.stage == RunningStage.TRAINING
+
+        @functools.wraps(original_transfer)
+        def transfer(batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+            if in_training():
+                return batch  # stays on the host; each micro-batch is moved on its own in training_step
+            return original_transfer(batch, device, dataloader_idx)
+
+        @functools.wraps(original_training_step)
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            part, _ = engine.micro_part(batch)
+            part = original_transfer(part, trainer.strategy.root_device, 0)
+            return engine.scale_output(original_training_step(part, *args, **kwargs))
+
+        @functools.wraps(original_zero_grad)
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if engine.index == 0:  # gradients accumulate over the micro-batches of one step
+                return original_zero_grad(*args, **kwargs)
+            return None
+
+        @functools.wraps(original_step)
+        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            ddp_model = trainer.strategy.model if trainer.world_size > 1 else None
+            return engine.run_training_step(
+                step=lambda closure: original_step(epoch, batch_idx, optimizer, closure),
+                closure=optimizer_closure,
+                optimizer=getattr(optimizer, "optimizer", optimizer),
+                module=pl_module,
+                ddp_model=ddp_model if hasattr(ddp_model, "no_sync") else None,
+                scaler=getattr(trainer.precision_plugin, "scaler", None),
+                global_step=trainer.global_step,
+            )
+
+        self._patch(pl_module, "log", engine.logs)
+        self._patch(pl_module, "_apply_batch_transfer_handler", transfer)
+        self._patch(pl_module, "training_step", training_step)
+        self._patch(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
+        self._patch(pl_module, "optimizer_step", optimizer_step)
+        for name, stage in _EVAL_STEPS.items():
+            original = getattr(pl_module, name, None)
+            if original is not None:
+                self._patch(pl_module, name, _eval_wrapper(engine, stage, original))
+
+    def _uninstall(self) -> None:
+        for obj, name, had, value in reversed(self._restore):
+            if had:
+                obj.__dict__[name] = value
+            else:
+                obj.__dict__.pop(name, None)
+        self._restore = []
+        if self._fraction_set_on is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self._fraction_set_on)
+            self._fraction_set_on = None
+
+    # -------------------------------------------------------------------------------------------- per batch
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.engine is not None:
+            self.engine.start_batch(batch)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self.engine
+        if engine is None or engine.micro_batch_size is None:
+            return
+        metrics = {
+            "autotune/micro_batch_size": float(min(engine.micro_batch_size, engine.batch_size or 1)),
+            "autotune/num_micro_batches": float(len(engine.sizes)),
+            "autotune/oom_events": float(engine.oom_events),
+            "autotune/peak_memory_gib": engine.last_peak_bytes / 2**30,
+        }
+        for name, value in metrics.items():
+            engine.logs.log_fn(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------------------------------- tear down
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._uninstall()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.engine is not None:
+            return self.engine.state_dict()
+        return dict(self._pending_state or {})
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.engine is not None:
+            self.engine.load_state_dict(state_dict)
+        else:
+            self._pending_state = dict(state_dict)
+
+
+def _eval_wrapper(engine: ElasticEngine, stage: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return engine.run_eval_step(stage, original, batch, args, kwargs)
+
+    return step
+
+
+def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        accepted = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}")
+
+
+def _check_trainer(trainer: Trainer, pl_module: LightningModule, supported: tuple[type, ...]) -> None:
+    if trainer.accumulate_grad_batches != 1:
+        raise MisconfigurationException(
+            f"ElasticBatchSize does the gradient accumulation itself, but the Trainer has "
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}. Set Trainer(accumulate_grad_batches=1) and "
+            f"let the dataloader yield the effective batch (e.g. batch_size=16 x {trainer.accumulate_grad_batches} "
+            f"= {16 * trainer.accumulate_grad_batches})."
+        )
+    if not pl_module.automatic_optimization:
+        raise MisconfigurationException(
+            "ElasticBatchSize needs automatic optimization, but the LightningModule sets "
+            "`automatic_optimization = False`. Remove the callback, or switch to automatic optimization."
+        )
+    strategy = trainer.strategy
+    if not isinstance(strategy, supported):
+        raise MisconfigurationException(
+            f"ElasticBatchSize does not support {type(strategy).__name__} yet (FSDP, DeepSpeed and model-parallel "
+            "strategies are not supported); use a single device or DDP (strategy='ddp')."
+        )
