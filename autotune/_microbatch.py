@@ -182,6 +182,7 @@ class ElasticEngine:
         if self.protect_update:
             self.snapshot.capture(optimizer)
         static = self.meter.start()
+        replayed = False
         while True:
             micro = min(self.micro_batch_size, n)
             self.sizes = split_sizes(n, micro)
@@ -228,9 +229,10 @@ class ElasticEngine:
                          failed_in)
             self.growing_from = None
             self.micro_batch_size = next_micro
+            replayed = True
             static = self.meter.start()
         self.logs.flush(fx_owner=module, fx_name="training_step")
-        self._after_success(n, micro, static, global_step)
+        self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
 
     def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any) -> Callable[[], Any]:
@@ -268,12 +270,12 @@ class ElasticEngine:
             return None
         return max(self.min_micro_batch_size, micro // 2)
 
-    def _after_success(self, n: int, micro: int, static: int, global_step: int) -> None:
+    def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
         peak = self.meter.peak()
         if self.growing_from is not None:
             self._record("grow", global_step, self.growing_from, micro, peak=peak)
             self.growing_from = None
-        self.clean_steps += 1
+        self.clean_steps += int(clean)  # a replayed step is not a clean one
         soft = self.budget_bytes is not None and not self.hard_budget
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait
         if soft or grow_due:  # decisions every rank must take alike: decide on the worst rank's figures

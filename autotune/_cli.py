@@ -1,0 +1,141 @@
+"""The ``autotune`` command line: one parser builder and one action per subcommand, listed in ``_SUBCOMMANDS``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+from autotune import __version__
+from autotune._budget import format_bytes
+from autotune._probe import MemoryProbe, probe_memory
+
+__all__ = ["main"]
+
+_PROG = "autotune"
+_EXIT_OK = 0
+_EXIT_USAGE = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Subcommand:
+    """One subcommand: ``build`` adds its arguments to its parser, ``action`` runs it and returns the exit code."""
+
+    name: str
+    help: str
+    build: Callable[[argparse.ArgumentParser], None]
+    action: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------------------------- probe
+
+
+def _build_probe(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="'cpu', 'cuda', 'cuda:N' or N (default: the current CUDA device, or 'cpu' without CUDA)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the reading as JSON, with bytes as integers")
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    device: str | int | None = args.device
+    if isinstance(device, str) and device.isdigit():
+        device = int(device)  # `--device 1` means cuda:1, as for torch.cuda
+    probe = probe_memory(device)
+    print(json.dumps(probe.as_dict(), indent=2) if args.json else format_probe_table(probe))
+    return _EXIT_OK
+
+
+def format_probe_table(probe: MemoryProbe) -> str:
+    """A two-column table of a probe, with byte fields in human units.
+
+    Args:
+        probe: The reading to show.
+
+    Returns:
+        One line per field, the labels left-aligned; no trailing newline.
+
+    Example:
+        >>> print(format_probe_table(probe_memory(device="cpu")))  # doctest: +SKIP
+        device                  cpu
+        name                    AMD EPYC
+        total                   62.79 GiB
+        ...
+    """
+    rows: list[tuple[str, str]] = []
+    for item in fields(probe):
+        value = getattr(probe, item.name)
+        if item.name.endswith("_bytes"):
+            rows.append((item.name.removesuffix("_bytes").replace("_", " "), format_bytes(value)))
+        else:
+            rows.append((item.name.replace("_", " "), str(value)))
+    width = max(len(label) for label, _ in rows) + 2
+    return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
+
+
+# --------------------------------------------------------------------------------------------------------- parser
+
+_SUBCOMMANDS: tuple[_Subcommand, ...] = (
+    _Subcommand(
+        name="probe",
+        help="show a device's total and free memory, this process's use and other processes' use",
+        build=_build_probe,
+        action=_run_probe,
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autotune`` argument parser, with one subparser per entry of ``_SUBCOMMANDS``.
+
+    Returns:
+        The parser; a parsed namespace carries the chosen subcommand's action as ``action``.
+
+    Example:
+        >>> build_parser().parse_args(["probe", "--json"]).json
+        True
+    """
+    parser = argparse.ArgumentParser(
+        prog=_PROG, description="Memory-elastic auto-tuning for PyTorch Lightning: probe, estimate and search."
+    )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for subcommand in _SUBCOMMANDS:
+        subparser = subparsers.add_parser(subcommand.name, help=subcommand.help, description=subcommand.help)
+        subcommand.build(subparser)
+        subparser.set_defaults(action=subcommand.action)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``autotune`` command line.
+
+    Args:
+        argv: The arguments after the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        The exit code: 0 on success, 2 on a usage error (bad arguments, no subcommand, or a ``ValueError``
+        raised for a bad value, shown as ``autotune: error: <message>`` on stderr without a traceback).
+
+    Example:
+        >>> main(["probe", "--device", "cpu", "--json"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help, --version and bad arguments; return its code instead
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return _EXIT_USAGE
+    try:
+        return args.action(args)
+    except ValueError as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the message holds
+        print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return _EXIT_USAGE

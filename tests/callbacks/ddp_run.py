@@ -1,0 +1,41 @@
+"""Run by test_elastic_ddp.py: 2 CPU ranks (gloo) with an OOM on one rank only; each rank saves what it saw."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autotune.callbacks import ElasticBatchSize  # noqa: E402
+from tests.callbacks.toy import Fault, ToyModel, loader, trainer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["elastic", "native"], required=True)
+    parser.add_argument("--where", default="forward")
+    parser.add_argument("--rank", type=int, default=0, help="the only rank that runs out of memory")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.mode == "elastic":
+        model = ToyModel(fault=Fault(args.where, limit=16, rank=args.rank))
+        callbacks, batch, accumulate = [ElasticBatchSize(grow=False)], 64, 1
+    else:
+        model, callbacks, batch, accumulate = ToyModel(), [], 16, 4
+    t = trainer(callbacks, strategy="ddp", devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+    t.fit(model, loader(64 * 2 * 3, batch))
+    events = [(e.kind, e.previous, e.micro_batch_size) for e in callbacks[0].events] if callbacks else []
+    torch.save(
+        {"state": model.state_dict(), "seen": [len(ids) for _, ids in model.seen], "events": events,
+         "global_step": t.global_step, "ids": [i for _, ids in model.seen for i in ids]},
+        Path(args.out) / f"rank{t.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""ElasticBatchSize on CPU: simulated OOM at the real places, compared to Lightning's own accumulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from autotune import OutOfMemoryAtMinimumError
+from autotune.callbacks import ElasticBatchSize
+from tests.callbacks.toy import Fault, ToyModel, fit, loader, max_weight_diff, reference, trainer
+
+N = 64
+STEPS = 4
+
+
+def native(*, micro: int, n: int = N * STEPS, **model_kwargs: object) -> tuple[ToyModel, object]:
+    """Lightning-native accumulation: batches of ``micro`` samples, accumulate N / micro of them."""
+    model = ToyModel(**model_kwargs)  # type: ignore[arg-type]
+    t = fit(model, loader(n, micro), accumulate_grad_batches=N // micro, gradient_clip_val=0.5)
+    return model, t
+
+
+def elastic(fault: Fault | None, *, n: int = N * STEPS, batch: int = N, cb: ElasticBatchSize | None = None,
+            kind: str = "tuple", **kwargs: object) -> tuple[ToyModel, object, ElasticBatchSize]:
+    cb = cb or ElasticBatchSize(grow=False)
+    model_kwargs = {k: kwargs.pop(k) for k in ("dropout", "optimizer", "scheduler") if k in kwargs}
+    model = ToyModel(fault=fault, kind=kind, **model_kwargs)  # type: ignore[arg-type]
+    t = fit(model, loader(n, batch, kind), [cb], gradient_clip_val=0.5, **kwargs)
+    return model, t, cb
+
+
+def micro_sizes(model: ToyModel) -> list[int]:
+    return [len(ids) for _, ids in model.seen]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "step"])
+def test_oom_at_first_step_replays_and_matches_native_accumulation(where: str) -> None:
+    fault = Fault(where, limit=16)
+    model, t, cb = elastic(fault, dropout=0.2)
+    ref, ref_t = native(micro=16, dropout=0.2)
+
+    tried = [64, 32] if where != "step" else [64, 32, 32]  # a step fault fires after all micro-batches ran
+    seen = micro_sizes(model)
+    assert seen[: len(tried)] == tried
+    assert seen[len(tried):] == [16] * (4 * STEPS)
+    assert [(e.kind, e.previous, e.micro_batch_size) for e in cb.events] == [("oom", 64, 32), ("oom", 32, 16)]
+    assert cb.micro_batch_size == 16
+    assert max_weight_diff(model, ref) == 0.0
+    assert t.global_step == ref_t.global_step == STEPS
+    assert model.lrs == ref.lrs[3::4] == [0.05, 0.025, 0.025, 0.0125]  # native: one batch-end per micro-batch
+
+
+def test_every_sample_is_seen_once_per_step_after_replay() -> None:
+    model, _, _ = elastic(Fault("backward", limit=16))
+    by_step: dict[int, list[int]] = {}
+    for step, ids in model.seen:
+        by_step.setdefault(step, []).append(ids)
+    for step in range(STEPS):
+        successful = by_step[step][-4:]  # the last attempt of each step is the one that counted
+        assert [i for ids in successful for i in ids] == list(range(step * N, (step + 1) * N))
+
+
+def test_mid_epoch_oom_matches_reference_with_the_same_micro_batches() -> None:
+    fault = Fault("forward", limit=16, steps=lambda s: s >= 2)
+    model, t, cb = elastic(fault, cb=ElasticBatchSize(grow=False, micro_batch_size=32))
+    assert [len(ids) for s, ids in model.seen if s == 2] == [32, 16, 16, 16, 16]
+    ref = reference(loader(N * STEPS, N), [32, 32, 16, 16], clip=0.5)
+    assert max_weight_diff(model, ref) == 0.0
+    assert t.global_step == STEPS
+
+
+def test_last_short_batch_oom_and_uneven_split() -> None:
+    n = N * 3 + 20  # the last batch has 20 samples
+    fault = Fault("forward", limit=12, steps=lambda s: s == 3)
+    model, t, cb = elastic(fault, n=n, cb=ElasticBatchSize(grow=False, micro_batch_size=24))
+    assert [len(ids) for s, ids in model.seen if s == 0] == [24, 24, 16]  # uneven: weighted by n_i / N
+    assert [len(ids) for s, ids in model.seen if s == 3] == [20, 10, 10]  # halves what the short batch used
+    ref = reference(loader(n, N), [24, 24, 24, 10], clip=0.5)
+    assert max_weight_diff(model, ref) == 0.0
+    assert t.global_step == 4
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor"])
+def test_batch_structures(kind: str) -> None:
+    model, _, cb = elastic(Fault("forward", limit=16), kind=kind)
+    assert micro_sizes(model)[:3] == [64, 32, 16]
+    ref = reference(loader(N * STEPS, N, kind), [16] * STEPS, kind=kind, clip=0.5)
+    assert max_weight_diff(model, ref) == 0.0
+
+
+def test_num_workers_and_sgd() -> None:
+    sgd, _, _ = elastic(Fault("backward", limit=32), optimizer="sgd")
+    ref_sgd, _ = native(micro=32, optimizer="sgd")
+    assert max_weight_diff(sgd, ref_sgd) == 0.0
+    workers = ToyModel(fault=Fault("forward", limit=16))
+    fit(workers, loader(N * STEPS, N, num_workers=2), [ElasticBatchSize(grow=False)], gradient_clip_val=0.5)
+    ref, _ = native(micro=16)
+    assert max_weight_diff(workers, ref) == 0.0
+
+
+def test_bf16_mixed_matches_native() -> None:
+    model, _, _ = elastic(Fault("backward", limit=16), precision="bf16-mixed")
+    ref = ToyModel()
+    fit(ref, loader(N * STEPS, 16), accumulate_grad_batches=4, gradient_clip_val=0.5, precision="bf16-mixed")
+    assert max_weight_diff(model, ref) == 0.0
+
+
+def test_fp16_grad_scaler_state_is_correct_after_replay() -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def plugin() -> MixedPrecision:
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+    fault = Fault("step", limit=16)  # fires after the scaler has unscaled the gradients
+    model, t, cb = elastic(fault, plugins=[plugin()])
+    ref = ToyModel()
+    ref_t = fit(ref, loader(N * STEPS, 16), accumulate_grad_batches=4, gradient_clip_val=0.5, plugins=[plugin()])
+    assert len(fault.hits) == 2
+    assert max_weight_diff(model, ref) == 0.0
+    assert t.precision_plugin.scaler.get_scale() == ref_t.precision_plugin.scaler.get_scale()
+
+
+def test_protect_update_false_refuses_to_replay_a_half_applied_update() -> None:
+    with pytest.raises(OutOfMemoryAtMinimumError, match="inside the optimizer update with protect_update=False"):
+        elastic(Fault("step", limit=16), cb=ElasticBatchSize(grow=False, protect_update=False))
+
+
+def test_minimum_reached_ends_fit_with_a_clear_chained_error() -> None:
+    cb = ElasticBatchSize(grow=False, min_micro_batch_size=8)
+    with pytest.raises(OutOfMemoryAtMinimumError, match=r"batch size 64, micro-batch 8 \(min_micro_batch_size=8\), "
+                       r"budget none \(no cap\), peak [0-9.]+ [KMG]iB") as info:
+        elastic(Fault("forward", limit=4), cb=cb)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_validation_oom_splits_the_eval_batch_only() -> None:
+    val = loader(N * 2, N)
+    clean = ToyModel()
+    fit(clean, loader(N * STEPS, N), [ElasticBatchSize(grow=False)], val=val, gradient_clip_val=0.5)
+    faulty = ToyModel(fault=Fault("validation", limit=16))
+    cb = ElasticBatchSize(grow=False)
+    t = fit(faulty, loader(N * STEPS, N), [cb], val=val, gradient_clip_val=0.5)
+    assert faulty.val_seen == [64, 32, 16, 16, 16, 16] + [16] * 4  # the split size sticks for the stage
+    assert micro_sizes(faulty) == [64] * STEPS  # training micro-batch untouched
+    assert cb.micro_batch_size == 64
+    assert [(e.kind, e.where) for e in cb.events] == [("eval_oom", "validate"), ("eval_oom", "validate")]
+    assert max_weight_diff(faulty, clean) == 0.0
+    expected = trainer().validate(clean, val, verbose=False)[0]["val_loss"]  # whole batches, no split
+    torch.testing.assert_close(t.callback_metrics["val_loss"].item(), expected, rtol=1e-6, atol=0)
+
+
+def test_logged_training_loss_is_the_whole_batch_mean() -> None:
+    _, t_split, _ = elastic(None, cb=ElasticBatchSize(grow=False, micro_batch_size=24))  # 24, 24, 16: uneven
+    _, t_whole, _ = elastic(None, cb=ElasticBatchSize(grow=False))
+    for key in ("train_loss_step", "train_loss_epoch"):
+        torch.testing.assert_close(t_split.callback_metrics[key], t_whole.callback_metrics[key], rtol=1e-5, atol=0)
+
+
+def test_grow_back_after_pressure_passes_and_backoff_after_failed_grow() -> None:
+    # Pressure at steps 1-2 only: shrink to 16, then grow back 16 -> 32 -> 64 after 2 clean steps each.
+    fault = Fault("forward", limit=16, steps=lambda s: s in (1, 2))
+    model, _, cb = elastic(fault, n=N * 10, cb=ElasticBatchSize(grow_after=2))
+    kinds = [(e.kind, e.step, e.previous, e.micro_batch_size) for e in cb.events]
+    assert kinds == [("oom", 1, 64, 32), ("oom", 1, 32, 16), ("grow", 4, 16, 32), ("grow", 6, 32, 64)]
+    assert cb.micro_batch_size == 64
+
+    # Pressure that stays: the grow fails, goes back to 16 and waits twice as long (4 clean steps) to try again.
+    fault = Fault("forward", limit=16, steps=lambda s: s >= 1)
+    model, _, cb = elastic(fault, n=N * 10, cb=ElasticBatchSize(grow_after=2))
+    kinds = [(e.kind, e.step, e.previous, e.micro_batch_size) for e in cb.events]
+    assert kinds == [("oom", 1, 64, 32), ("oom", 1, 32, 16), ("grow_failed", 4, 32, 16), ("grow_failed", 9, 32, 16)]
+    ref = reference(loader(N * 10, N), [64] + [16] * 9, clip=0.5)
+    assert max_weight_diff(model, ref) == 0.0
+
+
+def test_resume_keeps_the_micro_batch(tmp_path: object) -> None:
+    _, t, _ = elastic(Fault("forward", limit=16), enable_checkpointing=True, default_root_dir=str(tmp_path))
+    ckpt = t.checkpoint_callback.best_model_path  # type: ignore[attr-defined]
+    resumed_cb = ElasticBatchSize(grow=False)
+    resumed = ToyModel()
+    t2 = trainer([resumed_cb], max_epochs=2, gradient_clip_val=0.5, default_root_dir=str(tmp_path))
+    t2.fit(resumed, loader(N * STEPS, N), ckpt_path=ckpt)
+    assert micro_sizes(resumed) == [16] * (4 * STEPS)  # no new OOM needed: the size came back with the checkpoint
+    assert resumed_cb.micro_batch_size == 16
+    assert [e.kind for e in resumed_cb.events] == ["oom", "oom"]
+    assert t2.global_step == 2 * STEPS
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"budget must be .*got '20XB'"):
+        ElasticBatchSize(budget="20XB")
+    with pytest.raises(ValueError, match=r"`micro_batch_size` must be a positive int or None; got -4"):
+        ElasticBatchSize(micro_batch_size=-4)
+    with pytest.raises(ValueError, match=r"`min_micro_batch_size` must be a positive int; got 0"):
+        ElasticBatchSize(min_micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"`micro_batch_size` \(2\) must be >= `min_micro_batch_size` \(4\)"):
+        ElasticBatchSize(micro_batch_size=2, min_micro_batch_size=4)
+
+
+def test_setup_refuses_accumulation_and_manual_optimization() -> None:
+    with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches=4\. Set Trainer\(accumulate_grad_batches=1\)"):
+        elastic(None, accumulate_grad_batches=4)
+
+    class Manual(ToyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(MisconfigurationException, match="needs automatic optimization"):
+        fit(Manual(), loader(N, N), [ElasticBatchSize()])
+
+
+def test_batchnorm_warns() -> None:
+    with pytest.warns(UserWarning, match="BatchNorm layers"):
+        fit(ToyModel(batchnorm=True), loader(N, N), [ElasticBatchSize()])

@@ -1,0 +1,44 @@
+"""DDP with 2 CPU ranks (gloo): an OOM on one rank shrinks both, and replicas match native DDP accumulation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ddp_run.py")
+
+
+def run(tmp: Path, *args: str) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp), *args], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run(tmp_path_factory.mktemp("native"), "--mode", "native")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "rank", "tried"),
+    [("forward", 0, [64, 32]), ("backward", 1, [64, 32]), ("step", 0, [64, 32, 32])],  # step: after all micro-batches
+)
+def test_oom_on_one_rank_shrinks_all_and_matches_native(native: list[dict], tmp_path: Path, where: str,
+                                                         rank: int, tried: list[int]) -> None:
+    ranks = run(tmp_path, "--mode", "elastic", "--where", where, "--rank", str(rank))
+    for r, result in enumerate(ranks):
+        assert result["events"] == [("oom", 64, 32), ("oom", 32, 16)], f"rank {r}"
+        assert result["seen"] == tried + [16] * 12, f"rank {r}"
+        assert result["global_step"] == native[r]["global_step"] == 3
+        assert result["ids"][-48:] == native[r]["ids"][-48:]  # the same samples per rank
+        for name, value in result["state"].items():
+            assert torch.equal(value, ranks[0]["state"][name]), f"replicas drifted: {name} on rank {r}"
+            assert torch.equal(value, native[r]["state"][name]), f"{name} differs from native DDP accumulation"

@@ -1,0 +1,118 @@
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+import autotune
+from autotune._budget import format_bytes
+from autotune._cli import main
+
+KEYS = {
+    "device",
+    "name",
+    "total_bytes",
+    "free_bytes",
+    "process_reserved_bytes",
+    "process_allocated_bytes",
+    "other_processes_bytes",
+}
+
+
+def test_probe_prints_an_aligned_table(capsys):
+    assert main(["probe", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    labels = [line.split("  ")[0] for line in lines]
+    assert labels == ["device", "name", "total", "free", "process reserved", "process allocated", "other processes"]
+    values = {label: line[len(label) :] for label, line in zip(labels, lines)}
+    assert len({len(line) - len(value.lstrip()) for line, value in zip(lines, values.values())}) == 1  # one column
+    assert values["device"].strip() == "cpu"
+    assert values["total"].strip() == format_bytes(psutil.virtual_memory().total)
+    assert values["free"].strip().endswith("iB")
+
+
+def test_probe_json_has_every_field_with_bytes_as_ints(capsys):
+    assert main(["probe", "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == KEYS
+    assert data["device"] == "cpu"
+    assert data["total_bytes"] == psutil.virtual_memory().total
+    assert all(isinstance(data[key], int) for key in KEYS if key.endswith("_bytes"))
+
+
+@pytest.mark.parametrize(
+    ("device", "shown"),
+    [("gpu", "device must be 'cpu', 'cuda', 'cuda:N' or a CUDA index N; got 'gpu'"), ("mps", "device 'mps' is not")],
+)
+def test_bad_device_is_a_one_line_usage_error(capsys, device, shown):
+    assert main(["probe", "--device", device]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"autotune: error: {shown}")
+    assert err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_is_a_usage_error(capsys):
+    assert main(["probe", "--device", "cuda:0", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err == "autotune: error: device 'cuda:0' does not exist: CUDA is not available on this machine; use 'cpu'\n"
+
+
+def test_digit_device_means_a_cuda_index(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["probe", "--device", "4"]) == 2
+    assert capsys.readouterr().err.startswith("autotune: error: device 4 does not exist: 1 CUDA device(s) visible")
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: autotune")
+    assert "probe" in err
+
+
+def test_unknown_option_exits_2(capsys):
+    assert main(["probe", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"autotune {autotune.__version__}\n"
+
+
+def test_python_dash_m_autotune_runs_the_cli():
+    result = subprocess.run(
+        [sys.executable, "-m", "autotune", "probe", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) == KEYS
+    assert data["device"].startswith("cuda:") if torch.cuda.is_available() else data["device"] == "cpu"
+    assert data["process_reserved_bytes"] > 0
+
+
+def test_python_dash_m_autotune_reports_errors_without_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "autotune", "probe", "--device", "gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("autotune: error: device must be")
+    assert "Traceback" not in result.stderr
