@@ -214,3 +214,85 @@ def test_setup_refuses_accumulation_and_manual_optimization() -> None:
 def test_batchnorm_warns() -> None:
     with pytest.warns(UserWarning, match="BatchNorm layers"):
         fit(ToyModel(batchnorm=True), loader(N, N), [ElasticBatchSize()])
+
+
+class HungryModel(ToyModel):
+    """Each sample needs 8 MiB of scratch memory during its step, so the step's peak grows with the micro-batch."""
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        scratch = torch.ones(self.last_micro_size, 2 * 2**20)  # written, so resident
+        loss = loss + scratch[0, 0] * 0
+        del scratch
+        return loss
+
+
+def test_cpu_soft_budget_shrinks_the_next_step_after_an_overshoot() -> None:
+    from autotune._memory import current_rss_bytes
+
+    budget = current_rss_bytes() + 400 * 2**20  # room for about 48 samples of scratch, not 64
+    model = HungryModel()
+    cb = ElasticBatchSize(budget=budget, grow=False)
+    fit(model, loader(N * STEPS, N), [cb], gradient_clip_val=0.5)
+    assert [(e.kind, e.step, e.previous, e.micro_batch_size) for e in cb.events] == [("over_budget", 0, 64, 32)]
+    assert micro_sizes(model) == [64] + [32] * 2 * (STEPS - 1)  # no replay: the CPU budget is soft
+    assert cb.budget_bytes == budget
+    assert cb.events[0].peak_bytes > budget
+
+
+def test_autotune_metrics_reach_the_logger(tmp_path: object) -> None:
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    elastic(Fault("forward", limit=16), logger=logger, log_every_n_steps=1)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("autotune/micro_batch_size")]
+    assert [float(r["autotune/micro_batch_size"]) for r in rows] == [16.0] * STEPS
+    assert [float(r["autotune/num_micro_batches"]) for r in rows] == [4.0] * STEPS
+    assert [float(r["autotune/oom_events"]) for r in rows] == [2.0] * STEPS
+    assert all(float(r["autotune/peak_memory_gib"]) > 0 for r in rows)
+
+
+def test_setup_refuses_unsupported_strategies() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    t = trainer()
+    t._accelerator_connector.strategy = FSDPStrategy()  # FSDP needs a GPU to be built by the Trainer
+    with pytest.raises(MisconfigurationException, match=r"does not support FSDPStrategy yet .*use a single device or DDP"):
+        ElasticBatchSize().setup(t, ToyModel(), "fit")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_oom_under_a_hard_cap_recovers() -> None:
+    import lightning as L
+    from torch import nn
+
+    class Wide(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(1024, 8192), nn.ReLU(), nn.Linear(8192, 8192), nn.ReLU(),
+                                     nn.Linear(8192, 1))
+            self.sizes: list[int] = []
+
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            x, y = batch  # type: ignore[misc]
+            self.sizes.append(len(x))
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(4096 * 2, 1024), torch.randn(4096 * 2, 1)), batch_size=4096)
+    model = Wide()
+    cb = ElasticBatchSize(budget="2GiB", grow=False)
+    t = trainer([cb], accelerator="cuda", max_steps=2)
+    t.fit(model, data)
+    assert t.global_step == 2
+    assert cb.events and all(e.kind == "oom" for e in cb.events)
+    assert model.sizes[-1] == cb.micro_batch_size < 4096
+    assert torch.cuda.max_memory_reserved() <= 2 * 2**30

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +27,15 @@ def train() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and timing stays steady when other processes share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_batches_have_documented_shape_and_are_deterministic(train: ModuleType) -> None:
@@ -140,11 +151,12 @@ def test_loss_goes_down(train: ModuleType) -> None:
         losses.append(loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert first == pytest.approx(math.log(256), abs=0.3)  # an untrained model guesses uniformly
-    assert last < first - 1.5, losses
+    assert last < first - 2.0, losses  # ~5.5 -> ~1.7 nats in 40 steps
 
 
 @pytest.mark.slow
-def test_cli_trains_with_elastic_batch_size(train: ModuleType, tmp_path: Path) -> None:
+def test_cli_trains_with_elastic_batch_size(train: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # pytest's own arguments are not the CLI's
     cli = train.main(
         args=[
             "fit",
