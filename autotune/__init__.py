@@ -6,15 +6,22 @@ memory tools (probe, budget).
 
 from autotune._budget import Budget
 from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._plan import PRECISIONS, Plan, Provenance
 from autotune._probe import MemoryProbe, probe_memory
+from autotune._tuned import PlanFileError, load_plan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRECISIONS",
     "Budget",
     "MemoryProbe",
     "OutOfMemoryAtMinimumError",
+    "Plan",
+    "PlanFileError",
+    "Provenance",
     "__version__",
     "is_oom_error",
+    "load_plan",
     "probe_memory",
 ]

@@ -1,5 +1,7 @@
 """Lightning callbacks of lightning-autotune (installed as ``autotune.callbacks``)."""
 
+from autotune.callbacks.apply_plan import ApplyPlan
 from autotune.callbacks.elastic import ElasticBatchSize
+from autotune.callbacks.monitor import MemoryMonitor
 
-__all__ = ["ElasticBatchSize"]
+__all__ = ["ApplyPlan", "ElasticBatchSize", "MemoryMonitor"]

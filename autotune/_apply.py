@@ -1,0 +1,111 @@
+"""Applying a plan to a model: find the repeated blocks, checkpoint or compile them, offload saved activations."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the largest set of same-class submodules, none inside another.
+
+    Like FSDP's transformer auto-wrap policy, but found automatically: every class with at least two instances that
+    hold parameters is a candidate (instances nested in another instance of the same class are skipped); the class
+    with the most instances wins, ties going to the class holding more parameters. Leaf layers (``nn.Linear`` and
+    other modules without submodules) are not blocks.
+
+    Example:
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        >>> len(find_blocks(net))
+        3
+    """
+    by_class: dict[type, list[nn.Module]] = {}
+    for module in model.modules():
+        if module is model or not any(True for _ in module.children()):
+            continue
+        if not any(True for _ in module.parameters()):
+            continue
+        by_class.setdefault(type(module), []).append(module)
+    best: list[nn.Module] = []
+    best_key = (1, 0)
+    for cls, modules in by_class.items():
+        inner = {id(m) for outer in modules for m in outer.modules() if m is not outer and isinstance(m, cls)}
+        top = [m for m in modules if id(m) not in inner]
+        if cls in (nn.Sequential, nn.ModuleList, nn.ModuleDict):
+            continue  # containers are not blocks; the blocks are inside them
+        key = (len(top), sum(p.numel() for m in top for p in m.parameters()))
+        if key > best_key:
+            best, best_key = top, key
+    return best
+
+
+def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Module]:
+    """The blocks a plan's ``activation_checkpointing`` names: a fraction of :func:`find_blocks` (the first ones),
+    or every module whose class name is listed.
+
+    Raises:
+        ValueError: when class names match no module, naming them and the classes that are there.
+    """
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        blocks = find_blocks(model)
+        return blocks[: math.ceil(spec * len(blocks) - 1e-9)] if spec > 0 else []
+    names = set(spec)
+    chosen = [m for m in model.modules() if type(m).__name__ in names]
+    missing = names - {type(m).__name__ for m in chosen}
+    if missing:
+        present = sorted({type(m).__name__ for m in model.modules() if any(True for _ in m.children())})
+        raise ValueError(
+            f"activation_checkpointing names {sorted(missing)} but the model has no such modules; "
+            f"classes with submodules: {', '.join(present)}"
+        )
+    return chosen
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Callable[[], None]:
+    """Recompute ``blocks`` in backward (non-reentrant ``torch.utils.checkpoint``); returns a function undoing it.
+
+    The random state is preserved by ``checkpoint``, so dropout inside a block recomputes identically.
+    """
+    undo = []
+    for block in blocks:
+        had = "forward" in block.__dict__
+        original = block.forward
+
+        @functools.wraps(original)
+        def forward(*args: object, __original: Callable[..., object] = original, **kwargs: object) -> object:
+            if not torch.is_grad_enabled():
+                return __original(*args, **kwargs)
+            return checkpoint(__original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward  # type: ignore[method-assign]
+        undo.append((block, had, original))
+
+    def restore() -> None:
+        for block, had, original in undo:
+            if had:
+                block.forward = original  # type: ignore[method-assign]
+            else:
+                block.__dict__.pop("forward", None)
+
+    return restore
+
+
+def compile_blocks(model: nn.Module) -> list[nn.Module]:
+    """Compile each repeated block in place (regional compilation); the whole model when no blocks are found."""
+    blocks = find_blocks(model) or [model]
+    for block in blocks:
+        block.compile()
+    return blocks
+
+
+@contextlib.contextmanager
+def offload_activations(*, pin_memory: bool) -> Iterator[None]:
+    """Keep the tensors autograd saves for backward on the host (``torch.autograd.graph.save_on_cpu``)."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        yield

@@ -1,0 +1,155 @@
+"""``ApplyPlan``: apply the model-side settings of a memory plan to a run."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from autotune._apply import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
+from autotune._plan import Plan, Provenance
+
+log = logging.getLogger("autotune")
+
+_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+class ApplyPlan(Callback):
+    """Apply a plan's model-side settings: activation checkpointing, activation offload, compile, allocator, data.
+
+    The plan's precision goes to ``Trainer(precision=...)`` and its micro-batch and budget to
+    :class:`~autotune.callbacks.ElasticBatchSize`; :meth:`autotune.Plan.callbacks` and the tuned file set up both.
+
+    Args:
+        activation_checkpointing: fraction in [0, 1] of the model's repeated blocks to recompute in backward (found
+            automatically, as FSDP's transformer auto-wrap does), or the class names of the modules to recompute.
+        activation_offload: keep the tensors saved for backward on the host during training steps.
+        compile: ``torch.compile`` each repeated block in place.
+        expandable_segments: set the CUDA allocator's ``expandable_segments:True``; refused once CUDA has started.
+        num_workers: set the DataModule's ``num_workers`` (None: leave it).
+        pin_memory: set the DataModule's ``pin_memory`` (None: leave it).
+        provenance: where the plan was measured; a different device at run time gives a warning.
+
+    Raises:
+        ValueError: one error listing every invalid setting.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[ApplyPlan(activation_checkpointing=0.5)])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        activation_checkpointing: float | list[str] = 0.0,
+        activation_offload: bool = False,
+        compile: bool = False,
+        expandable_segments: bool = False,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
+        provenance: dict[str, Any] | None = None,
+    ) -> None:
+        self.plan = Plan(
+            activation_checkpointing=tuple(activation_checkpointing)
+            if isinstance(activation_checkpointing, (list, tuple))
+            else activation_checkpointing,
+            activation_offload=activation_offload,
+            compile=compile,
+            expandable_segments=expandable_segments,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            provenance=Provenance(**{k: v for k, v in (provenance or {}).items() if k != "format_version"}),
+        )
+        if expandable_segments:
+            _set_expandable_segments()
+        self._undo: list[Callable[[], None]] = []
+        self._offload: ExitStack | None = None
+        self.checkpointed: list[torch.nn.Module] = []
+        self.compiled: list[torch.nn.Module] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        plan = self.plan
+        device = trainer.strategy.root_device
+        if plan.expandable_segments and device.type == "cuda":
+            _set_expandable_segments()  # refuses when CUDA started without the setting
+        self._warn_if_other_device(device)
+        if plan.activation_checkpointing:
+            self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
+            self._undo.append(checkpoint_blocks(self.checkpointed))
+            log.info("autotune: checkpointing %d block(s) of %s", len(self.checkpointed),
+                     type(self.checkpointed[0]).__name__ if self.checkpointed else "-")
+        if plan.compile:
+            self.compiled = compile_blocks(pl_module)
+        datamodule = trainer.datamodule
+        for name in ("num_workers", "pin_memory"):
+            value = getattr(plan, name)
+            if value is None:
+                continue
+            if datamodule is not None and hasattr(datamodule, name):
+                setattr(datamodule, name, value)
+                if hasattr(getattr(datamodule, "hparams", None), name):
+                    datamodule.hparams[name] = value
+            else:
+                rank_zero_warn(f"ApplyPlan: the plan sets {name}={value!r}, but the DataModule has no `{name}` "
+                               "attribute; the setting is not applied.")
+
+    def _warn_if_other_device(self, device: torch.device) -> None:
+        measured = self.plan.provenance.device_name
+        if not measured:
+            return
+        from autotune._probe import probe_memory
+
+        here = probe_memory(device).name
+        if here != measured:
+            rank_zero_warn(f"ApplyPlan: this plan was measured on '{measured}' but runs on '{here}'; its memory "
+                           "and speed figures may not hold here. Re-run `autotune search` on this device.")
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.plan.activation_offload and self._offload is None:
+            self._offload = ExitStack()
+            self._offload.enter_context(offload_activations(pin_memory=trainer.strategy.root_device.type == "cuda"))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._close_offload()
+
+    def _close_offload(self) -> None:
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close_offload()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+
+def _set_expandable_segments() -> None:
+    current = os.environ.get(_ALLOC_CONF, "")
+    if "expandable_segments:True" in current:
+        return
+    if torch.cuda.is_initialized():
+        raise MisconfigurationException(
+            "ApplyPlan(expandable_segments=True) must act before CUDA starts, but CUDA is already initialized. "
+            f"Start the run with {_ALLOC_CONF}=expandable_segments:True in the environment, or create the callback "
+            "before anything touches CUDA."
+        )
+    os.environ[_ALLOC_CONF] = f"{current},expandable_segments:True" if current else "expandable_segments:True"

@@ -1,0 +1,130 @@
+"""Plan, its validation, and tuned files (save, load, LightningCLI and plain Python)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune import Plan, PlanFileError, Provenance, load_plan
+from autotune.callbacks import ApplyPlan, ElasticBatchSize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def full_plan() -> Plan:
+    return Plan(
+        precision="bf16-mixed",
+        micro_batch_size=8,
+        budget="3GiB",
+        activation_checkpointing=0.5,
+        activation_offload=True,
+        num_workers=0,
+        pin_memory=False,
+        provenance=Provenance.here(budget="3GiB", device_name="cpu", samples_per_second=812.5, peak_bytes=2**31,
+                                   command="autotune search t.py:make --budget 3GiB", produced_by="search"),
+    )
+
+
+def test_invalid_plan_lists_every_problem_in_one_error() -> None:
+    with pytest.raises(ValueError, match=r"invalid plan: precision must be one of .*; got 'fp8'; micro_batch_size "
+                       r"must be a positive int or None; got 0; activation_checkpointing must be a fraction in "
+                       r"\[0, 1\] or a list of class names; got 1.5; num_workers must be an int >= 0 or None; got -1"):
+        Plan(precision="fp8", micro_batch_size=0, activation_checkpointing=1.5, num_workers=-1)
+    with pytest.raises(ValueError, match=r"budget must be .*got '3XB'"):
+        Plan(budget="3XB")
+
+
+def test_plan_in_plain_python() -> None:
+    plan = full_plan()
+    assert plan.trainer_kwargs() == {"precision": "bf16-mixed", "accumulate_grad_batches": 1}
+    elastic, apply = plan.callbacks()
+    assert isinstance(elastic, ElasticBatchSize) and elastic.micro_batch_size == 8 and str(elastic.budget) == "3GiB"
+    assert isinstance(apply, ApplyPlan) and apply.plan.activation_checkpointing == 0.5
+    assert apply.plan.activation_offload is True
+    assert plan.describe() == "bf16-mixed, micro 8, ckpt 0.5, offload, workers 0"
+    assert plan.replace(micro_batch_size=4).micro_batch_size == 4
+
+
+def test_round_trip_keeps_plan_and_provenance(tmp_path: Path) -> None:
+    plan = full_plan()
+    path = plan.save(tmp_path / "tuned.yaml")
+    text = path.read_text()
+    assert text.startswith("# Tuned by lightning-autotune")
+    assert "# Produced by: autotune search t.py:make --budget 3GiB" in text
+    assert "# Measured: 812.5 samples/s, peak 2.00 GiB, budget 3GiB, on cpu" in text
+    assert "activation_checkpointing: 0.5  # share of repeated blocks recomputed in backward" in text
+    loaded = load_plan(path)
+    assert loaded == plan
+    assert loaded.provenance == plan.provenance
+    named = Plan(activation_checkpointing=("Block",))
+    assert load_plan(named.save(tmp_path / "named.yaml")).activation_checkpointing == ("Block",)
+
+
+def test_save_never_leaves_a_half_written_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"cannot write the tuned file '.*missing/t.yaml': folder '.*missing' does not"):
+        full_plan().save(tmp_path / "missing" / "t.yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_reports_every_problem_with_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "trainer:\n"
+        "  precision: fp8\n"
+        "  callbacks:\n"
+        "    - class_path: os.system\n"
+        "    - class_path: autotune.callbacks.ElasticBatchSize\n"
+        "      init_args: {micro_batch_size: -3}\n"
+        "    - class_path: autotune.callbacks.ApplyPlan\n"
+        "      init_args: {activation_checkpointing: 0.5, colour: red}\n"
+    )
+    with pytest.raises(PlanFileError) as info:
+        load_plan(path)
+    lines = str(info.value).splitlines()
+    assert lines == [
+        f"{path}: trainer.callbacks[0].class_path: 'os.system' is outside the autotune. and lightning. namespaces",
+        f"{path}: trainer.callbacks[2].init_args.colour: unknown setting",
+        f"{path}: trainer.precision: precision must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, "
+        "transformer-engine; got 'fp8'",
+        f"{path}: trainer.callbacks[1].init_args.micro_batch_size: micro_batch_size must be a positive int or None; "
+        "got -3",
+    ]
+
+
+def test_load_refuses_newer_formats_missing_files_and_non_plans(tmp_path: Path) -> None:
+    path = full_plan().save(tmp_path / "tuned.yaml")
+    path.write_text(path.read_text().replace("format_version: 1", "format_version: 7"))
+    with pytest.raises(PlanFileError, match=r"format_version: 7 is newer than this lightning-autotune reads \(1\); "
+                       "upgrade lightning-autotune"):
+        load_plan(path)
+    with pytest.raises(PlanFileError, match=r"nope.yaml: the tuned file does not exist"):
+        load_plan(tmp_path / "nope.yaml")
+    (tmp_path / "x.yaml").write_text("model: {}\n")
+    with pytest.raises(PlanFileError, match=r"trainer: missing; a tuned file is a LightningCLI config"):
+        load_plan(tmp_path / "x.yaml")
+    (tmp_path / "y.yaml").write_text("trainer: {precision: 32-true, callbacks: []}\n")
+    with pytest.raises(PlanFileError, match=r"no autotune.callbacks.ElasticBatchSize entry"):
+        load_plan(tmp_path / "y.yaml")
+
+
+@pytest.mark.slow
+def test_tuned_file_runs_through_lightning_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    try:
+        import train  # the example's LightningCLI script
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "gpt"))
+    plan = Plan(precision="bf16-mixed", micro_batch_size=8, activation_checkpointing=1.0)
+    tuned = plan.save(tmp_path / "tuned.yaml")
+    cli = train.main(["fit", "--config", str(ROOT / "examples/gpt/config.yaml"), "--config", str(tuned),
+                      "--trainer.max_steps=3"])
+    trainer = cli.trainer
+    assert trainer.global_step == 3
+    assert trainer.precision == "bf16-mixed"
+    [elastic] = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
+    [apply] = [c for c in trainer.callbacks if isinstance(c, ApplyPlan)]
+    assert elastic.micro_batch_size == 8
+    assert len(apply.checkpointed) == 2 and type(apply.checkpointed[0]).__name__ == "Block"
