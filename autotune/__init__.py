@@ -6,7 +6,7 @@ memory tools (probe, budget).
 
 from autotune._budget import Budget
 from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._plan import PRECISIONS, Plan, Provenance
+from autotune._plan import PRECISIONS, STRATEGIES, Plan, Provenance
 from autotune._probe import MemoryProbe, probe_memory
 from autotune._tuned import PlanFileError, load_plan
 
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRECISIONS",
+    "STRATEGIES",
     "Budget",
     "MemoryProbe",
     "OutOfMemoryAtMinimumError",

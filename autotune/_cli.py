@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from autotune import __version__
+from autotune import __version__, _cli_search
 from autotune._budget import format_bytes
 from autotune._probe import MemoryProbe, probe_memory
 
@@ -85,6 +85,18 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
         help="show a device's total and free memory, this process's use and other processes' use",
         build=_build_probe,
         action=_run_probe,
+    ),
+    _Subcommand(
+        name="search",
+        help="search the plan space for the fastest plan that fits the budget, and write it as a tuned file",
+        build=_cli_search.build_search,
+        action=_cli_search.run_search,
+    ),
+    _Subcommand(
+        name="report",
+        help="print a search's trials and write its plots (throughput vs memory, history, importance)",
+        build=_cli_search.build_report,
+        action=_cli_search.run_report,
     ),
 )
 

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: Lightning precision strings a plan may choose.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
+#: Strategies a plan may choose ("auto": Lightning's choice for the devices; the elastic runtime supports DDP).
+STRATEGIES = ("auto", "ddp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,7 @@ class Plan:
 
     Args:
         precision: a Lightning precision string (see ``PRECISIONS``); goes to ``Trainer(precision=...)``.
+        strategy: ``"auto"`` or ``"ddp"`` (see ``STRATEGIES``); goes to ``Trainer(strategy=...)``.
         micro_batch_size: the micro-batch :class:`~autotune.callbacks.ElasticBatchSize` starts with (None: the
             whole batch).
         budget: the memory budget the run keeps (``"20GiB"``, ``0.8``, ``"auto"``; None: react to OOM only).
@@ -87,6 +90,7 @@ class Plan:
     """
 
     precision: str = "32-true"
+    strategy: str = "auto"
     micro_batch_size: int | None = None
     budget: str | None = None
     activation_checkpointing: float | tuple[str, ...] = 0.0
@@ -110,8 +114,11 @@ class Plan:
 
     # ------------------------------------------------------------------------------------------------ use
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``Trainer`` (precision, and the accumulation the runtime requires)."""
-        return {"precision": self.precision, "accumulate_grad_batches": 1}
+        """Keyword arguments for ``Trainer`` (precision, strategy, and the accumulation the runtime requires)."""
+        kwargs: dict[str, Any] = {"precision": self.precision, "accumulate_grad_batches": 1}
+        if self.strategy != "auto":
+            kwargs["strategy"] = self.strategy
+        return kwargs
 
     def callbacks(self) -> list[Callback]:
         """The callbacks that apply the plan: ``ElasticBatchSize`` and ``ApplyPlan``.
@@ -154,6 +161,8 @@ class Plan:
     def describe(self) -> str:
         """A one-line summary, e.g. ``bf16-mixed, micro 8, ckpt 0.5``."""
         parts = [self.precision, f"micro {self.micro_batch_size or 'all'}"]
+        if self.strategy != "auto":
+            parts.insert(0, self.strategy)
         ckpt = self.activation_checkpointing
         if ckpt:
             parts.append(f"ckpt {ckpt if not isinstance(ckpt, tuple) else '+'.join(ckpt)}")
@@ -172,6 +181,8 @@ def plan_problems(plan: Plan) -> list[str]:
     problems = []
     if plan.precision not in PRECISIONS:
         problems.append(f"precision must be one of {', '.join(PRECISIONS)}; got {plan.precision!r}")
+    if plan.strategy not in STRATEGIES:
+        problems.append(f"strategy must be one of {', '.join(STRATEGIES)}; got {plan.strategy!r}")
     mbs = plan.micro_batch_size
     if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         problems.append(f"micro_batch_size must be a positive int or None; got {mbs!r}")

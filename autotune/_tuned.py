@@ -23,6 +23,7 @@ _NAMESPACES = ("autotune.", "lightning.")
 _COMMENTS = {
     "precision": "numeric precision of weights/activations; *-mixed keeps fp32 weights, halves activations",
     "accumulate_grad_batches": "must stay 1: ElasticBatchSize does the accumulation",
+    "strategy": "data parallel: every rank runs the whole model on its share of the batch",
     "budget": "memory cap of the run (hard on CUDA, soft on CPU)",
     "micro_batch_size": "samples per forward/backward; the effective batch is the dataloader's",
     "activation_checkpointing": "share of repeated blocks recomputed in backward: less memory, more compute",
@@ -160,9 +161,10 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         return {}
     trainer = doc["trainer"]
     fields: dict[str, Any] = {}
-    if "precision" in trainer:
-        fields["precision"] = trainer["precision"]
-        where["precision"] = "trainer.precision"
+    for name in ("precision", "strategy"):
+        if name in trainer:
+            fields[name] = trainer[name]
+            where[name] = f"trainer.{name}"
     if trainer.get("accumulate_grad_batches", 1) != 1:
         problems.append(f"trainer.accumulate_grad_batches: must be 1; got {trainer['accumulate_grad_batches']!r}")
     callbacks = trainer.get("callbacks")
@@ -190,7 +192,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         for name, value in init_args.items():
             if name == "provenance":
                 fields["provenance"] = _provenance(value, f"{key}.init_args.provenance", problems)
-            elif name in plan_keys and name != "precision":
+            elif name in plan_keys and name not in ("precision", "strategy"):
                 fields[name] = tuple(value) if isinstance(value, list) else value
                 where[name] = f"{key}.init_args.{name}"
             elif class_path == _ELASTIC:

@@ -1,0 +1,111 @@
+"""``autotune search`` and ``autotune report``: parser builders and actions (printing lives here, not in the library)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from autotune._budget import format_bytes
+
+_EXIT_OK = 0
+_EXIT_NO_PLAN = 1
+
+
+def build_search(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="path/to/file.py:factory, package.module:factory, or a LightningCLI config")
+    parser.add_argument("--budget", required=True, help="memory budget: 20GiB, 512MiB, bytes, 0.8 (of total), auto")
+    parser.add_argument("--config", default=None, help="a LightningCLI config with the rest of a factory target")
+    parser.add_argument("--space", default=None, help="default, cpu, multi_gpu, or a .yaml path (default: by device)")
+    parser.add_argument("--trials", type=int, default=30, help="finished trials the study should have (default 30)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop starting trials after SECONDS")
+    parser.add_argument("--storage", default=None, help="sqlite:///PATH (default sqlite:///autotune.db), "
+                        "journal:PATH, or postgresql://USER:PASSWORD@HOST/DB")
+    parser.add_argument("--study", default=None, help="study name (default: derived from target, budget, space)")
+    parser.add_argument("--out", default="tuned.yaml", help="where to write the best plan (default tuned.yaml)")
+    parser.add_argument("--seed", type=int, default=None, help="sampler seed")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per trial (default 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per trial first (default 3)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--devices", type=int, default=1, help="devices per trial, for DDP spaces (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress display")
+
+
+def run_search(args: argparse.Namespace) -> int:
+    from autotune._search import NoFeasiblePlanError, search
+
+    progress = None if args.no_progress else _Progress(args.trials)
+    command = "autotune search " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["search"] \
+        else f"autotune search {args.target} --budget {args.budget}"
+    try:
+        result = search(
+            target=args.target, budget=args.budget, config=args.config, space=args.space, trials=args.trials,
+            timeout=args.timeout, storage=args.storage, study=args.study, out=args.out, seed=args.seed,
+            steps=args.steps, warmup=args.warmup, device=args.device, devices=args.devices,
+            callbacks=[progress] if progress else [], command=command,
+        )
+    except NoFeasiblePlanError as err:
+        print(f"autotune: {err}", file=sys.stderr)
+        return _EXIT_NO_PLAN
+    finally:
+        if progress:
+            progress.close()
+    plan, prov = result.plan, result.plan.provenance
+    for note in result.notes:
+        print(f"note: {note}")
+    peak = format_bytes(prov.peak_bytes) if prov.peak_bytes else "?"
+    print(f"best plan (trial {result.trial_number} of study '{result.study.study_name}'): {plan.describe()}")
+    print(f"  {prov.samples_per_second:.1f} samples/s, peak {peak} of budget {prov.budget}")
+    print(f"wrote {args.out}: python train.py fit --config your_config.yaml --config {args.out}")
+    return _EXIT_OK
+
+
+class _Progress:
+    """A rich progress display as an Optuna callback: trial n of N, last plan, best so far, feasible count, ETA."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("trial"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.description}"), console=Console(stderr=True), transient=False)
+        self.task = self.progress.add_task("starting", total=total)
+        self.total = total
+        self.started = False  # shown from the first finished trial on, so that input errors print alone
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        from optuna.trial import TrialState
+
+        if not self.started:
+            self.progress.start()
+            self.started = True
+        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        feasible = [t for t in finished if t.user_attrs.get("status") == "ok"
+                    and t.user_attrs.get("peak_bytes", float("inf")) <= study.user_attrs.get("budget_bytes", 0)]
+        best = max(feasible, key=lambda t: t.value or 0.0, default=None)
+        best_text = f"best {best.value:.1f}/s ({best.user_attrs.get('plan')})" if best else "no feasible plan yet"
+        last = f"{trial.user_attrs.get('plan', '?')}: {trial.user_attrs.get('status', trial.state.name.lower())}"
+        self.progress.update(self.task, completed=min(len(finished), self.total),
+                             description=f"{len(feasible)} feasible | {best_text} | last {last}")
+
+    def close(self) -> None:
+        if self.started:
+            self.progress.stop()
+
+
+def build_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage", default=None, help="the search's storage URL (default sqlite:///autotune.db)")
+    parser.add_argument("--study", default=None, help="study name (default: the only study in the storage)")
+    parser.add_argument("--out", default=None, help="folder for PNG plots (default: print the table only)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from autotune._report import load_study, trial_table, write_plots
+
+    study = load_study(storage=args.storage, study=args.study)
+    print(trial_table(study))
+    if args.out:
+        for path in write_plots(study, args.out):
+            print(f"wrote {path}")
+    return _EXIT_OK

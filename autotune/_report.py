@@ -1,0 +1,139 @@
+"""``autotune report``: a table of a study's trials and PNG plots made offline (matplotlib, Agg backend).
+
+optuna-dashboard reads the same storage (``optuna-dashboard sqlite:///autotune.db``); note that it shows the
+memory constraint as a plain attribute and may rank infeasible trials as best.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autotune._budget import format_bytes
+from autotune._storage import open_storage
+
+
+def load_study(*, storage: str | None, study: str | None) -> Any:
+    """Open a study of a search; with one study in the storage its name may be left out.
+
+    Raises:
+        ValueError: when the study does not exist, naming the studies that do.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stor = open_storage(storage)
+    names = [s.study_name for s in optuna.get_all_study_summaries(stor, include_best_trial=False)]
+    if study is None:
+        if len(names) != 1:
+            raise ValueError(f"give --study: the storage holds {len(names)} studies ({', '.join(names) or 'none'})")
+        study = names[0]
+    if study not in names:
+        raise ValueError(f"no study '{study}' in the storage; studies there: {', '.join(names) or 'none'}")
+    return optuna.load_study(study_name=study, storage=stor)
+
+
+def _rows(study: Any) -> list[dict[str, Any]]:
+    budget = study.user_attrs.get("budget_bytes")
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.user_attrs
+        peak = attrs.get("peak_bytes")
+        fits = None if peak is None or budget is None else peak <= budget and attrs.get("status") == "ok"
+        rows.append({
+            "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
+            "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
+            "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
+            "reason": attrs.get("reason", ""),
+        })
+    return rows
+
+
+def trial_table(study: Any) -> str:
+    """A plain-text table of every trial: plan, throughput, peak, whether it fits, and why not."""
+    budget = study.user_attrs.get("budget", "?")
+    lines = [f"study '{study.study_name}': target {study.user_attrs.get('target', '?')}, budget {budget}, "
+             f"space {study.user_attrs.get('space', '?')}"]
+    header = f"{'#':>4}  {'state':<8} {'samples/s':>10} {'peak':>11} {'fits':<4}  plan / reason"
+    lines += [header, "-" * len(header)]
+    for r in _rows(study):
+        sps = f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-"
+        peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
+        fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
+        why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
+        lines.append(f"{r['trial']:>4}  {r['state']:<8} {sps:>10} {peak:>11} {fits:<4}  {r['plan']}{why}")
+    return "\n".join(lines)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (higher throughput, lower peak), by peak.
+
+    Example:
+        >>> pareto_front([(10.0, 5.0), (8.0, 6.0), (12.0, 7.0)])
+        [0, 2]
+    """
+    front = [i for i, (s, m) in enumerate(points)
+             if not any((s2 >= s and m2 <= m) and (s2, m2) != (s, m) for s2, m2 in points)]
+    return sorted(front, key=lambda i: points[i][1])
+
+
+def write_plots(study: Any, out: str | Path) -> list[Path]:
+    """Write ``tradeoff.png`` (throughput vs peak, budget line, Pareto front), ``history.png`` and, with enough
+    completed trials, ``importance.png`` into ``out``.
+
+    Raises:
+        ValueError: when ``out`` cannot be created, or matplotlib is missing (``pip install lightning-autotune[report]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("the report's plots need matplotlib: pip install 'lightning-autotune[report]'") from None
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create the report folder '{folder}': {err.strerror or err}") from None
+    written = []
+    rows = [r for r in _rows(study) if r["samples_per_second"] and r["peak_bytes"]]
+    budget = study.user_attrs.get("budget_bytes")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = 2**30
+    for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "over budget")):
+        pts = [r for r in rows if bool(r["fits"]) is fits]
+        ax.scatter([r["peak_bytes"] / gib for r in pts], [r["samples_per_second"] for r in pts], c=colour,
+                   label=label, alpha=0.7)
+    points = [(r["samples_per_second"], r["peak_bytes"]) for r in rows]
+    front = [rows[i] for i in pareto_front(points)]
+    if front:
+        ax.plot([r["peak_bytes"] / gib for r in front], [r["samples_per_second"] for r in front], "k--",
+                label="Pareto front")
+    if budget:
+        ax.axvline(budget / gib, color="tab:orange", label=f"budget {study.user_attrs.get('budget', '')}")
+    ax.set_xlabel("peak memory (GiB)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{study.study_name}: throughput vs memory")
+    ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, folder / "tradeoff.png", plt))
+
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as ovm
+
+    completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if completed:
+        ax = ovm.plot_optimization_history(study)
+        written.append(_save(ax.figure, folder / "history.png", plt))
+    varied = {k for t in completed for k in t.params if len({str(o.params.get(k)) for o in completed}) > 1}
+    if len(completed) >= 4 and varied:
+        ax = ovm.plot_param_importances(study)
+        written.append(_save(ax.figure, folder / "importance.png", plt))
+    return written
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

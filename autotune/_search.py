@@ -1,0 +1,364 @@
+"""``autotune.search``: Optuna finds the fastest plan that fits the budget, measured in isolated trials."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune._budget import Budget, format_bytes
+from autotune._plan import Plan, Provenance
+from autotune._space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
+from autotune._storage import exclusive, open_storage, recover_dead_workers, worker_id
+from autotune._trial import TrialResult, TrialSpec, run_trial
+
+log = logging.getLogger("autotune")
+
+#: A plan the estimator predicts above this multiple of the budget is recorded infeasible without running.
+ESTIMATE_REJECT_FACTOR = 1.5
+#: Stop a trial early when its steady-state throughput is below this share of the best feasible one so far.
+EARLY_STOP_SHARE = 0.9
+#: How many of the best plans are measured again before one is chosen.
+REMEASURE_TOP = 3
+
+
+class NoFeasiblePlanError(RuntimeError):
+    """No trial fitted in the budget; the message names the smallest peak seen and its plan."""
+
+
+class _TrialCrashed(RuntimeError):
+    """A trial failed for a reason unrelated to memory (recorded as FAIL; the search goes on)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search` found: the best plan (with provenance), the Optuna study, and notes on the space."""
+
+    plan: Plan
+    study: Any
+    trial_number: int
+    notes: tuple[str, ...] = ()
+
+
+def search(
+    *,
+    target: str,
+    budget: str | int | float,
+    config: str | None = None,
+    space: str | None = None,
+    trials: int = 30,
+    timeout: float | None = None,
+    storage: str | None = None,
+    study: str | None = None,
+    out: str | Path | None = "tuned.yaml",
+    seed: int | None = None,
+    steps: int = 8,
+    warmup: int = 3,
+    device: str | None = None,
+    devices: int = 1,
+    trial_timeout: float = 600.0,
+    callbacks: Sequence[Callable[[Any, Any], None]] = (),
+    command: str | None = None,
+) -> SearchResult:
+    """Search the plan space for the fastest plan whose measured peak memory fits ``budget``.
+
+    Every trial trains ``warmup + steps`` optimizer steps of the target in a fresh process and measures end-to-end
+    samples/s (data loading included) and peak memory. The budget is an Optuna constraint; an OOM is a completed,
+    infeasible trial. Rerunning the same call resumes the study (``trials`` is the total for the study).
+
+    Args:
+        target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
+        budget: memory the run may use: ``"4GiB"``, bytes, a fraction of the device like ``0.8``, or ``"auto"``.
+        config: a LightningCLI config giving the rest of a factory target (trainer settings).
+        space: a shipped space (``default``, ``cpu``, ``multi_gpu``) or a YAML path; None picks one for the device.
+        trials: finished trials the study should have (a resumed study counts the ones it has).
+        timeout: stop starting trials after this many seconds.
+        storage: ``sqlite:///PATH`` (default ``sqlite:///autotune.db``), ``journal:PATH`` or ``postgresql://...``.
+        study: the study name; None derives it from target, budget, space and device, so a rerun resumes.
+        out: where the best plan is written (atomically); None writes nothing.
+        seed: the sampler's seed.
+        steps: timed optimizer steps per trial.
+        warmup: untimed optimizer steps first.
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
+        devices: devices per trial (DDP spaces).
+        trial_timeout: seconds before a trial is stopped and recorded as failed.
+        callbacks: Optuna callbacks ``f(study, trial)`` (the CLI's progress display is one).
+        command: the command line, for the tuned file's provenance.
+
+    Returns:
+        The best plan, the study and the trial it came from.
+
+    Raises:
+        ValueError: for bad input (budget, target, space, storage, ``out``), before anything is written.
+        NoFeasiblePlanError: when no plan fits, naming the smallest peak seen.
+
+    Example:
+        >>> result = search(target="examples/gpt/train.py:make", budget="2GiB", trials=10)  # doctest: +SKIP
+        >>> result.plan.describe()  # doctest: +SKIP
+    """
+    import optuna
+    import torch
+
+    from autotune._probe import probe_memory, resolve_device
+    from autotune._target import load_target
+
+    parsed_budget = Budget.parse(budget)
+    _check_positive("trials", trials)
+    _check_positive("steps", steps)
+    _check_positive("warmup", warmup, minimum=0)
+    _check_positive("devices", devices)
+    out_path = _check_out(out)
+    dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    tgt = load_target(target, config=config)
+    batch_size = tgt.batch_size()
+    probe = probe_memory(dev)
+    budget_bytes = parsed_budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+    weights = sum(p.numel() * p.element_size() for p in tgt.model.parameters())
+    if weights >= budget_bytes:
+        raise ValueError(f"budget {parsed_budget} ({format_bytes(budget_bytes)}) is below the model's weights alone "
+                         f"({format_bytes(weights)}); raise the budget")
+    space_obj = load_space(space or default_space_name(dev)).for_device(dev, batch_size=batch_size)
+    stor = open_storage(storage)
+    name = study or _study_name(target, parsed_budget, space_obj, dev)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=seed)
+    the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
+                                    load_if_exists=True)
+    _stamp(the_study, {"target": target, "budget": str(parsed_budget), "budget_bytes": budget_bytes,
+                       "space": space_obj.name, "device": dev.type, "batch_size": batch_size})
+    with exclusive(stor):
+        for params in space_obj.seeds:
+            the_study.enqueue_trial(dict(params), skip_if_exists=True)
+    recover_dead_workers(the_study)
+
+    runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
+                        budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
+                        trial_timeout=trial_timeout)
+    remaining = trials - _finished(the_study)
+    if remaining > 0:
+        the_study.optimize(
+            runner,
+            n_trials=None,
+            timeout=timeout,
+            callbacks=[optuna.study.MaxTrialsCallback(trials, states=_finished_states()), *callbacks],
+            catch=(_TrialCrashed,),
+        )
+    best = _choose(the_study, runner, budget_bytes, parsed_budget)
+    plan = plan_from_params(
+        best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
+        provenance=Provenance.here(
+            budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
+            samples_per_second=best.user_attrs.get("samples_per_second"),
+            tokens_per_second=best.user_attrs.get("tokens_per_second"), peak_bytes=best.user_attrs.get("peak_bytes"),
+            command=command, produced_by=f"search (study '{name}', trial {best.number})",
+        ),
+    )
+    if out_path is not None:
+        plan.save(out_path, command=command)
+    return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
+
+
+def _finished_states() -> tuple[Any, ...]:
+    from optuna.trial import TrialState
+
+    return (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def _finished(study: Any) -> int:
+    return len(study.get_trials(deepcopy=False, states=_finished_states()))
+
+
+def _check_positive(name: str, value: Any, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def _check_out(out: str | Path | None) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"--out '{path}' is a folder; give a file path like tuned.yaml")
+    if not folder.is_dir():
+        raise ValueError(f"--out '{path}': folder '{folder}' does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out '{path}' is not writable")
+    return path
+
+
+def _study_name(target: str, budget: Budget, space: SearchSpace, device: Any) -> str:
+    """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study."""
+    stem = re.sub(r"[^A-Za-z0-9_.:-]+", "-", Path(target).name)
+    return f"autotune-{stem}-{budget}-{space.name}-{device.type}"
+
+
+def _stamp(study: Any, attrs: dict[str, Any]) -> None:
+    """Record what the study is about; a resumed study must be about the same thing."""
+    existing = study.user_attrs
+    clashes = [f"{k} {existing[k]!r} (now {v!r})" for k, v in attrs.items() if k in existing and existing[k] != v]
+    if clashes:
+        raise ValueError(f"study '{study.study_name}' was created for another search: {', '.join(clashes)}; "
+                         "use another --study name")
+    for key, value in attrs.items():
+        if key not in existing:
+            study.set_user_attr(key, value)
+
+
+class _Objective:
+    """One Optuna trial: suggest a plan, reuse a measurement of the same plan or run it, record the constraint."""
+
+    def __init__(self, *, target: str, config: str | None, target_obj: Any, space: SearchSpace, budget: Budget,
+                 budget_bytes: int, device: Any, devices: int, steps: int, warmup: int, trial_timeout: float) -> None:
+        self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
+        self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
+        self.steps, self.warmup, self.trial_timeout = steps, warmup, trial_timeout
+        self._auto_cache: dict[tuple[Any, ...], int | None] = {}
+
+    def __call__(self, trial: Any) -> float:
+        import optuna
+
+        trial.set_user_attr("worker", worker_id())
+        params = self.space.suggest(trial)
+        micro = params.get("micro_batch_size")
+        if micro == AUTO:
+            micro = self._auto_micro(params)
+            trial.set_user_attr("auto_micro_batch_size", micro)
+        plan = plan_from_params(params, micro_batch_size=micro)
+        trial.set_user_attr("micro_batch_size", plan.micro_batch_size)
+        trial.set_user_attr("plan", plan.describe())
+        cached = self._cached(trial, plan)
+        if cached is not None:
+            return self._record(trial, cached, source="cache")
+        predicted = self._predict(plan)
+        if predicted is not None:
+            trial.set_user_attr("predicted_peak_bytes", predicted)
+            if predicted > ESTIMATE_REJECT_FACTOR * self.budget_bytes:
+                result = TrialResult("oom", peak_bytes=predicted,
+                                     reason=f"estimated peak {format_bytes(predicted)} is far over the budget")
+                return self._record(trial, result, source="estimate")
+        result = run_trial(self._spec(plan, stop_below=self._stop_below(trial.study)), timeout=self.trial_timeout)
+        value = self._record(trial, result, source="measured")
+        if result.status == "pruned":
+            raise optuna.TrialPruned(result.reason)
+        if result.status == "error":
+            raise _TrialCrashed(result.reason)
+        return value
+
+    def _spec(self, plan: Plan, *, stop_below: float | None = None) -> TrialSpec:
+        fields = {k: v for k, v in vars(plan).items() if k not in ("provenance", "budget")}
+        return TrialSpec(target=self.target, config=self.config, plan=fields, budget=str(self.budget),
+                         device=self.device.type, devices=self.devices, steps=self.steps, warmup=self.warmup,
+                         stop_below=stop_below)
+
+    def _record(self, trial: Any, result: TrialResult, *, source: str) -> float:
+        peak = result.peak_bytes
+        if result.status == "oom":
+            over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
+        elif peak is not None:
+            over = (peak - self.budget_bytes) / self.budget_bytes
+        else:
+            over = 1.0  # nothing measured: not known to fit
+        trial.set_constraint("memory", over)  # every path: feasible when <= 0
+        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("source", source)
+        for key, value in result.as_attrs().items():
+            if key != "status":
+                trial.set_user_attr(key, value)
+        return float(result.samples_per_second or 0.0) if result.status in ("ok", "pruned") else 0.0
+
+    def _cached(self, trial: Any, plan: Plan) -> TrialResult | None:
+        from optuna.trial import TrialState
+
+        key = plan.describe()
+        for other in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if other.user_attrs.get("plan") == key and other.user_attrs.get("source") != "cache":
+                attrs = other.user_attrs
+                trial.set_user_attr("cached_from", other.number)
+                return TrialResult(attrs.get("status", "ok"), samples_per_second=attrs.get("samples_per_second"),
+                                   tokens_per_second=attrs.get("tokens_per_second"),
+                                   peak_bytes=attrs.get("peak_bytes"), reason=attrs.get("reason", ""))
+        return None
+
+    def _stop_below(self, study: Any) -> float | None:
+        from optuna.trial import TrialState
+
+        feasible = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if t.value and t.user_attrs.get("status") == "ok"
+                    and t.user_attrs.get("peak_bytes", math.inf) <= self.budget_bytes]
+        return EARLY_STOP_SHARE * max(feasible) if feasible else None
+
+    def _predict(self, plan: Plan) -> int | None:
+        return predicted_peak(self.target_obj, plan, self.device)
+
+    def _auto_micro(self, params: dict[str, Any]) -> int:
+        key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+        if key not in self._auto_cache:
+            plan = plan_from_params(params, micro_batch_size=None)
+            self._auto_cache[key] = largest_fitting_micro(self.target_obj, plan, self.device, self.budget_bytes)
+        batch = self.target_obj.batch_size()
+        return self._auto_cache[key] or batch
+
+    def remeasure(self, plan: Plan) -> TrialResult:
+        return run_trial(self._spec(plan), timeout=self.trial_timeout)
+
+
+def _feasible_trials(study: Any, budget_bytes: int) -> list[Any]:
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get("status") == "ok" and t.user_attrs.get("peak_bytes", math.inf) <= budget_bytes]
+
+
+def _choose(study: Any, runner: _Objective, budget_bytes: int, budget: Budget) -> Any:
+    """The best feasible trial after measuring the top few distinct plans once more (noise inflates winners)."""
+    feasible = _feasible_trials(study, budget_bytes)
+    if not feasible:
+        raise NoFeasiblePlanError(_no_fit_message(study, budget, budget_bytes))
+    distinct: dict[str, Any] = {}
+    for t in sorted(feasible, key=lambda t: t.value or 0.0, reverse=True):
+        distinct.setdefault(t.user_attrs["plan"], t)
+    top = list(distinct.values())[:REMEASURE_TOP]
+    if len(top) == 1:
+        return top[0]
+    remeasured = dict(study.user_attrs.get("remeasured", {}))
+    scores = {}
+    for t in top:
+        runs = remeasured.get(str(t.number))
+        if runs is None:
+            again = runner.remeasure(plan_from_params(t.params, micro_batch_size=t.user_attrs.get("micro_batch_size")))
+            fits = again.status == "ok" and (again.peak_bytes or 0) <= budget_bytes
+            runs = [again.samples_per_second if fits else 0.0]
+            remeasured[str(t.number)] = runs
+        scores[t.number] = (t.value + sum(runs)) / (1 + len(runs))
+    study.set_user_attr("remeasured", remeasured)
+    best_number = max(scores, key=lambda n: scores[n])
+    return next(t for t in top if t.number == best_number)
+
+
+def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
+    from optuna.trial import TrialState
+
+    seen = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            if t.user_attrs.get("peak_bytes")]
+    head = f"no plan fits in {budget} ({format_bytes(budget_bytes)})"
+    if not seen:
+        return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
+    smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
+    return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "
+            f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")
+
+
+def predicted_peak(target: Any, plan: Plan, device: Any) -> int | None:
+    """The estimator's peak for ``plan`` on ``device``, or None when it cannot tell (logged)."""
+    return None
+
+
+def largest_fitting_micro(target: Any, plan: Plan, device: Any, budget_bytes: int) -> int | None:
+    """The largest micro-batch the estimator predicts to fit, or None when it cannot tell (logged)."""
+    return None

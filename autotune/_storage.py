@@ -1,0 +1,133 @@
+"""Optuna storage from a URL: SQLite (default, one process), journal file (many workers on one machine),
+PostgreSQL (many machines); heartbeat where the storage has one, and dead-worker recovery where it has not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+DEFAULT_STORAGE = "sqlite:///autotune.db"
+HEARTBEAT_SECONDS = 2
+GRACE_SECONDS = 8
+_ACCEPTED = "sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB, or journal:PATH"
+
+
+def open_storage(url: str | None) -> Any:
+    """An Optuna storage for ``url`` (None: ``sqlite:///autotune.db`` in the current folder).
+
+    Raises:
+        ValueError: for a malformed URL or a storage that cannot be reached, in one line.
+    """
+    import optuna
+
+    url = url or DEFAULT_STORAGE
+    if url.startswith("journal:"):
+        path = url[len("journal:") :].removeprefix("//")
+        if not path:
+            raise ValueError(f"storage '{url}' has no file path; expected {_ACCEPTED}")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
+    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+        folder = os.path.dirname(os.path.abspath(url[len("sqlite:///") :]))
+        if not os.path.isdir(folder):
+            raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+    elif not url.startswith(("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://")) or "/" not in url[
+        len("postgresql://") :
+    ]:
+        raise ValueError(f"storage '{url}' is not a storage URL; expected {_ACCEPTED}")
+    try:
+        with warnings.catch_warnings():  # heartbeat and retry are marked experimental; we rely on them knowingly
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return _rdb(url)
+    except ImportError as err:
+        raise ValueError(f"storage '{_redact(url)}' needs a database driver: {err} (pip install psycopg2-binary)") from None
+    except Exception as err:  # SQLAlchemy raises many types for a server it cannot reach
+        message = " ".join(str(err).split())[:300]
+        raise ValueError(f"cannot open storage '{_redact(url)}': {type(err).__name__}: {message}") from None
+
+
+def _rdb(url: str) -> Any:
+    import optuna
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    return optuna.storages.RDBStorage(
+        url,
+        heartbeat_interval=HEARTBEAT_SECONDS,
+        grace_period=GRACE_SECONDS,
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+        engine_kwargs={"pool_pre_ping": True} if url.startswith("postgresql") else None,
+    )
+
+
+def _redact(url: str) -> str:
+    if "@" in url and ":" in url.split("@", 1)[0].split("//", 1)[-1]:
+        scheme, rest = url.split("//", 1)
+        user = rest.split(":", 1)[0]
+        return f"{scheme}//{user}:***@{rest.split('@', 1)[1]}"
+    return url
+
+
+@contextlib.contextmanager
+def exclusive(storage: Any) -> Iterator[None]:
+    """Hold a lock shared by the workers of a journal file (one machine) while seeding a study; RDB storages
+    make the duplicate check themselves."""
+    import optuna
+
+    backend = getattr(storage, "_backend", None) if isinstance(storage, optuna.storages.JournalStorage) else None
+    path = getattr(backend, "_file_path", None)
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(f"{path}.seed-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def worker_id() -> str:
+    """This worker, as recorded on the trials it runs: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def recover_dead_workers(study: Any) -> list[int]:
+    """Journal storage has no heartbeat: fail RUNNING trials whose worker (on this host) is dead, and queue their
+    parameters once more. Returns the numbers of the trials failed."""
+    import optuna
+    from optuna.trial import TrialState
+
+    if not isinstance(study._storage, optuna.storages.JournalStorage):
+        return []
+    failed = []
+    host = socket.gethostname()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker = trial.user_attrs.get("worker", "")
+        worker_host, _, pid = worker.rpartition(":")
+        if worker_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        failed.append(trial.number)
+        if "retry_of" not in trial.user_attrs:  # retried once, as heartbeat storages do
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+    return failed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,240 @@
+"""One measured trial of a plan, in a fresh process forked from a pre-imported server.
+
+Each trial runs in its own process so that an OOM, a crash or a leak cannot poison the next one, and so that CUDA
+context and allocator settings start fresh. Processes come from ``multiprocessing``'s fork server, which imports
+torch and Lightning once: a trial starts in milliseconds instead of the seconds a cold import takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+
+_PRELOAD = ["torch", "lightning", "lightning.pytorch", "autotune", "autotune.callbacks", "autotune._target"]
+_CONTEXT: Any = None
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """What a trial process needs (picklable): where the model comes from, the plan, and how long to measure."""
+
+    target: str
+    config: str | None
+    plan: dict[str, Any]
+    budget: str | None
+    device: str  # "cpu" or "cuda"
+    devices: int = 1
+    steps: int = 8
+    warmup: int = 3
+    stop_below: float | None = None  # samples/s: stop early when clearly slower than the best so far
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What a trial measured. ``status``: "ok", "oom" (infeasible), "pruned" (stopped early) or "error"."""
+
+    status: str
+    samples_per_second: float | None = None
+    tokens_per_second: float | None = None
+    peak_bytes: int | None = None
+    steps_timed: int = 0
+    startup_seconds: float | None = None
+    wall_seconds: float | None = None
+    reason: str = ""
+
+    def as_attrs(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
+    """Run ``spec`` in a fresh process and return what it measured; never raises for the trial's own failures."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
+        out = Path(tmp) / "result.json"
+        launched = time.time()
+        proc = ctx.Process(target=_child, args=(spec, str(out), launched), daemon=False)
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.is_alive()
+        if timed_out:
+            proc.kill()
+            proc.join()
+        if out.exists():
+            return TrialResult(**json.loads(out.read_text()))
+        if timed_out:
+            return TrialResult("error", reason=f"timed out after {timeout:.0f} s", wall_seconds=time.time() - launched)
+        tail = _tail(Path(tmp) / "trial.log")
+        code = proc.exitcode or 0
+        if code == -signal.SIGKILL:
+            return TrialResult("oom", reason="killed by SIGKILL (the kernel's out-of-memory killer)",
+                               wall_seconds=time.time() - launched)
+        name = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+        return TrialResult("error", reason=f"trial process died ({name}){tail}", wall_seconds=time.time() - launched)
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1][:300]}" if lines else ""
+
+
+def _child(spec: TrialSpec, out: str, launched: float) -> None:
+    log_fd = os.open(str(Path(out).with_name("trial.log")), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log_fd, 1)  # the trial's own output (Lightning's banners, warnings) stays out of the search's
+    os.dup2(log_fd, 2)
+    try:
+        _measure(spec, launched, out)
+    except BaseException as exc:  # the trial's own failure is its result, never the search's
+        # Under DDP a rank's OOM comes back as a ProcessRaisedException carrying the rank's traceback text.
+        oom = is_oom_error(exc) or isinstance(exc, OutOfMemoryAtMinimumError) or "OutOfMemory" in str(exc)
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+        result = TrialResult("oom" if oom else "error", reason=reason, wall_seconds=time.time() - launched)
+        Path(out).write_text(json.dumps(dataclasses.asdict(result)))
+    if not Path(out).exists():
+        Path(out).write_text(json.dumps(dataclasses.asdict(TrialResult("error", reason="the run ended early"))))
+    os._exit(0)  # leave without atexit hooks or CUDA teardown
+
+
+def _measure(spec: TrialSpec, launched: float, out: str) -> None:
+    import lightning as L
+
+    from autotune._plan import Plan
+    from autotune._target import load_target
+    from autotune.callbacks import ApplyPlan, ElasticBatchSize
+
+    plan = Plan(**spec.plan)
+    if plan.expandable_segments:  # before anything touches CUDA in this fresh process
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    target = load_target(spec.target, config=spec.config)
+    batch_size = target.batch_size()
+    meter = _Meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(), launched=launched,
+                   out=out)
+    micro = plan.micro_batch_size or batch_size
+    kwargs = plan.trainer_kwargs()
+    if kwargs.get("strategy") == "ddp":
+        kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
+    clip = target.trainer_config.get("gradient_clip_val")
+    trainer = L.Trainer(
+        accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
+        devices=spec.devices,
+        max_steps=spec.warmup + spec.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        gradient_clip_val=clip,
+        callbacks=[
+            ElasticBatchSize(budget=spec.budget, micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
+            ApplyPlan(**plan.apply_kwargs()),
+            meter,
+        ],
+        **kwargs,
+    )
+    trainer.fit(target.model, datamodule=target.datamodule)
+
+
+class _Meter:
+    """Times optimizer steps after warm-up (data loading included) and reads the peak memory of the run."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from lightning.pytorch import Callback
+
+        class Meter(Callback):
+            def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None,
+                         launched: float, out: str) -> None:
+                self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
+                self.out = out
+                self.launched = launched
+                self.first_step: float | None = None
+                self.marks: list[float] = []
+                self.pruned = False
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                if self.first_step is None:
+                    self.first_step = time.time()
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                   batch_idx: int) -> None:
+                if trainer.global_step < self.spec.warmup:
+                    return
+                _sync(pl_module.device)
+                self.marks.append(time.perf_counter())
+                timed = len(self.marks) - 1
+                threshold = self.spec.stop_below
+                if threshold and timed >= max(2, self.spec.steps // 3) and self.rate() < threshold:
+                    self.pruned = True
+                    trainer.should_stop = True
+
+            def rate(self) -> float:
+                timed = len(self.marks) - 1
+                return timed * self.batch_size * max(1, self.spec.devices) / (self.marks[-1] - self.marks[0])
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                self.peak = _peak_bytes(pl_module.device)
+                if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
+                    Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
+
+            def result(self) -> TrialResult:
+                timed = len(self.marks) - 1
+                if timed < 1:
+                    return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
+                rate = self.rate()
+                return TrialResult(
+                    "pruned" if self.pruned else "ok",
+                    samples_per_second=rate,
+                    tokens_per_second=rate * self.tokens if self.tokens else None,
+                    peak_bytes=getattr(self, "peak", None),
+                    steps_timed=timed,
+                    startup_seconds=(self.first_step or time.time()) - self.launched,
+                    wall_seconds=time.time() - self.launched,
+                    reason="stopped early: clearly slower than the best plan so far" if self.pruned else "",
+                )
+
+        return Meter(**kwargs)
+
+
+def _sync(device: Any) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(device: Any) -> int:
+    """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
+    the allocator holds now). CPU: the process's peak resident set size."""
+    from autotune._memory import peak_rss_bytes
+
+    if device.type != "cuda":
+        return peak_rss_bytes()
+    import torch
+
+    from autotune._probe import probe_memory
+
+    reserved_now = torch.cuda.memory_reserved(device)
+    process_now = probe_memory(device).process_reserved_bytes  # NVML's figure for this process when it has one
+    context = max(0, process_now - reserved_now)
+    return torch.cuda.max_memory_reserved(device) + context

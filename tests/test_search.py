@@ -1,0 +1,252 @@
+"""`autotune search` end to end on CPU: isolated trials, the budget as a constraint, resume, workers, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune import load_plan
+from autotune._cli import main
+from autotune._search import NoFeasiblePlanError, search
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = str(ROOT / "tests" / "fixtures" / "search_target.py")
+GPT = str(ROOT / "examples" / "gpt" / "train.py")
+FAST = {"steps": 2, "warmup": 1}
+
+
+def one_point_space(tmp_path: Path, seeds: tuple[dict, ...] = (), **dims: list) -> str:
+    """A small space file; ``seeds`` are tried first."""
+    lines = ["dimensions:"] + [f"  {name}: {{choices: {choices!r}}}" for name, choices in dims.items()]
+    lines += ["seeds:"] + [f"  - {seed!r}" for seed in seeds] if seeds else []
+    path = tmp_path / "space.yaml"
+    path.write_text("\n".join(lines).replace("'", "") + "\n")
+    return str(path)
+
+
+def trials_of(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=study, storage=storage).get_trials()
+
+
+@pytest.mark.slow
+def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.yaml"
+    storage = f"sqlite:///{tmp_path}/s.db"
+    result = search(target=f"{GPT}:make", budget="3GiB", trials=3, storage=storage, out=out, seed=0, **FAST)
+    plan = load_plan(out)
+    assert plan == result.plan
+    assert plan.budget == "3GiB" and plan.micro_batch_size in (2, 4, 8, 16, 32)
+    assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
+    assert plan.provenance.produced_by.startswith("search (study 'autotune-train.py:make-3GiB-cpu-cpu'")
+    finished = [t for t in result.study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 3
+    first = finished[0].params  # the cpu space's first seed
+    assert (first["precision"], first["micro_batch_size"], first["activation_checkpointing"]) == ("32-true", "auto", 0.0)
+
+    import lightning as L
+
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "gpt"))
+    model, data = train.make()
+    trainer = L.Trainer(**plan.trainer_kwargs(), callbacks=[*plan.callbacks()], max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 2
+    cli = train.main(["fit", "--config", str(ROOT / "examples/gpt/config.yaml"), "--config", str(out),
+                      "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2
+
+
+@pytest.mark.slow
+def test_budget_binds_oom_is_infeasible_and_crash_is_failed(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path}/s.db"
+    space = one_point_space(tmp_path, seeds=({"precision": "32-true", "micro_batch_size": 8},),
+                            precision=["32-true", "bf16-mixed"], micro_batch_size=[8, 32, 64])
+    result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=6, storage=storage,
+                    study="faulty", out=None, seed=1, **FAST)
+    by_plan: dict[str, optuna.trial.FrozenTrial] = {}
+    for t in result.study.get_trials():
+        by_plan.setdefault(t.user_attrs["plan"], t)
+        if t.params["micro_batch_size"] > 16:  # the target runs out of memory before it reaches its bug
+            assert t.state == TrialState.COMPLETE and t.user_attrs["status"] == "oom"  # infeasible, not failed
+            assert "OutOfMemory" in t.user_attrs["reason"]
+            assert t.value == 0.0
+        elif t.params["precision"] == "bf16-mixed":
+            assert t.state == TrialState.FAIL  # unrelated to memory
+            assert "RuntimeError: an unrelated bug in this plan" in t.user_attrs["reason"]
+        else:
+            assert t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok"
+    assert {t.state for t in result.study.get_trials()} >= {TrialState.COMPLETE}
+    assert result.plan.micro_batch_size == 8 and result.plan.precision == "32-true"
+    cached = [t for t in result.study.get_trials() if t.user_attrs.get("source") == "cache"]
+    assert all(t.user_attrs["cached_from"] < t.number for t in cached)
+
+
+@pytest.mark.slow
+def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
+    space = one_point_space(tmp_path, seeds=({"micro_batch_size": 8}, {"micro_batch_size": 64}), micro_batch_size=[8, 64])
+    result = search(target=f"{FIXTURE}:make", budget="540MiB", space=space, trials=2, storage=f"sqlite:///{tmp_path}/s.db",
+                    out=None, seed=0, **FAST)
+    trials = {t.params["micro_batch_size"]: t for t in result.study.get_trials()}
+    assert trials[64].user_attrs["peak_bytes"] > 540 * 2**20  # measured, whole-process peak RSS
+    assert trials[8].user_attrs["peak_bytes"] <= 540 * 2**20
+    assert result.plan.micro_batch_size == 8
+
+
+def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    space = one_point_space(tmp_path, micro_batch_size=[32, 64])
+    code = main(["search", f"{FIXTURE}:make_faulty", "--budget", "2GiB", "--space", space, "--trials", "2",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "t.yaml"), "--steps", "2",
+                 "--warmup", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "autotune: no plan fits in 2GiB (2.00 GiB); no trial measured a peak" in err
+    assert not (tmp_path / "t.yaml").exists()
+    with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 2GiB"):
+        search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=2,
+               storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--space", "nope"], "unknown search space 'nope': use one of cpu, default, multi_gpu or a path"),
+        (["--space", "{typo}"], "space '.*typo.yaml': dimensions.precison: unknown dimension 'precison'"),
+        (["--budget", "1KiB"], r"budget 1KiB \(1.00 KiB\) is below the model's weights alone"),
+        (["--budget", "12XB"], "budget must be bytes like"),
+        (["--target", "nope.py:make"], "target 'nope.py:make': file 'nope.py' does not exist"),
+        (["--out", "{missing}/t.yaml"], "--out '.*missing/t.yaml': folder '.*missing' does not exist"),
+        (["--storage", "mysql:/x"], "storage 'mysql:/x' is not a storage URL; expected sqlite:///PATH"),
+        (["--trials", "0"], "trials must be an int >= 1; got 0"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch, args: list[str],
+                                                         message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.yaml").write_text("dimensions:\n  precison: {choices: [32-true]}\n")
+    options = {"--target": f"{FIXTURE}:make", "--budget": "2GiB", "--space": "cpu", "--out": "t.yaml",
+               "--storage": f"sqlite:///{tmp_path}/s.db", "--trials": "2"}
+    for key, value in zip(args[::2], args[1::2]):
+        options[key] = value.format(typo=tmp_path / "typo.yaml", missing=tmp_path / "missing")
+    argv = ["search", options.pop("--target")] + [x for kv in options.items() for x in kv]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    import re
+
+    assert re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no database, no tuned file
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_retries_the_interrupted_trial_once(tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    storage = f"sqlite:///{tmp_path}/s.db"
+    space = one_point_space(tmp_path, micro_batch_size=[8, 16, 32])
+    cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_slow_start", "--budget", "2GiB", "--space",
+           space, "--trials", "3", "--storage", storage, "--study", "killed", "--out", str(tmp_path / "t.yaml"),
+           "--steps", "2", "--warmup", "1", "--no-progress", "--seed", "0"]
+    env = {**os.environ, "AUTOTUNE_TEST_MARK": str(mark)}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not mark.exists() or len(mark.read_text().split()) < 2):
+        time.sleep(0.05)  # polling for a file another process writes; the assertion below does not rely on timing
+    assert mark.exists() and len(mark.read_text().split()) >= 2, "the first trial never started"
+    os.killpg(proc.pid, signal.SIGKILL)  # the search, its fork server and the running trial
+    proc.wait()
+    [running] = [t for t in trials_of(storage, "killed") if t.state == TrialState.RUNNING]
+    time.sleep(8.5)  # the storage's grace period: the killed trial's heartbeat must go stale
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trials = trials_of(storage, "killed")
+    assert trials[running.number].state == TrialState.FAIL
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    retries = [t for t in trials if t.number != running.number
+               and RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == running.number]
+    assert len(retries) == 1 and retries[0].params == running.params
+    assert len([t for t in trials if t.state == TrialState.COMPLETE]) == 3
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) -> None:
+    journal = tmp_path / "study.log"
+    seeds = ({"micro_batch_size": 8, "activation_checkpointing": 0.0},
+             {"micro_batch_size": 16, "activation_checkpointing": 1.0})
+    space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[4, 8, 16, 32, 64],
+                            activation_checkpointing=[0.0, 1.0])
+    cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
+           "--trials", "6", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
+           "--no-progress"]
+    workers = [subprocess.Popen([*cmd, "--out", str(tmp_path / f"t{i}.yaml"), "--seed", str(i)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for w in workers:
+        assert w.wait(timeout=600) == 0, w.stderr.read()[-2000:] if w.stderr else ""
+    study = optuna.load_study(study_name="shared",
+                              storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+                                  str(journal))))
+    trials = study.get_trials()
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert 6 <= len(finished) <= 7  # each worker stops once the study has 6; at most one runs past
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING, TrialState.FAIL)]
+    workers_seen = {t.user_attrs["worker"] for t in trials}
+    assert len(workers_seen) == 2  # both took part
+    for seed in seeds:  # both workers queue the seeds; each runs once
+        assert len([t for t in trials if t.system_attrs.get("fixed_params") == seed]) == 1
+
+
+def postgres_url() -> str | None:
+    return os.environ.get("AUTOTUNE_TEST_POSTGRES")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(postgres_url() is None, reason="no PostgreSQL server: .ci/run starts one and sets "
+                    "AUTOTUNE_TEST_POSTGRES")
+def test_postgresql_storage(tmp_path: Path) -> None:
+    url = postgres_url()
+    assert url is not None
+    name = f"pg-{os.getpid()}-{time.time_ns()}"
+    space = one_point_space(tmp_path, micro_batch_size=[8, 16])
+    result = search(target=f"{FIXTURE}:make", budget="2GiB", space=space, trials=2, storage=url, study=name,
+                    out=tmp_path / "t.yaml", **FAST)
+    again = optuna.load_study(study_name=name, storage=url)
+    assert len(again.get_trials()) == len(result.study.get_trials()) >= 2
+    assert load_plan(tmp_path / "t.yaml").micro_batch_size in (8, 16)
+
+
+def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    storage = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="r", storage=storage, direction="maximize")
+    study.set_user_attr("budget_bytes", 2**30)
+    study.set_user_attr("budget", "1GiB")
+    for i, (sps, peak, status) in enumerate([(10.0, 2**29, "ok"), (20.0, 2**31, "oom"), (15.0, 3 * 2**28, "ok"),
+                                             (12.0, 2**28, "ok")]):
+        trial = study.ask({"micro_batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16, 32])})
+        trial.set_user_attr("plan", f"32-true, micro {trial.params['micro_batch_size']}")
+        trial.set_user_attr("samples_per_second", sps)
+        trial.set_user_attr("peak_bytes", peak)
+        trial.set_user_attr("status", status)
+        trial.set_constraint("memory", (peak - 2**30) / 2**30)
+        study.tell(trial, sps if status == "ok" else 0.0)
+    assert main(["report", "--storage", storage, "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "study 'r'" in out and "budget 1GiB" in out
+    assert out.count(" yes  ") == 3 and out.count(" no  ") == 1
+    for name in ("tradeoff.png", "history.png", "importance.png"):
+        assert (tmp_path / "rep" / name).stat().st_size > 1000
+    assert main(["report", "--storage", storage, "--study", "nope"]) == 2
+    assert "no study 'nope' in the storage; studies there: r" in capsys.readouterr().err
