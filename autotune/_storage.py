@@ -48,7 +48,8 @@ def open_storage(url: str | None) -> Any:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return _rdb(url)
     except ImportError as err:
-        raise ValueError(f"storage '{_redact(url)}' needs a database driver: {err} (pip install psycopg2-binary)") from None
+        raise ValueError(f"storage '{_redact(url)}' needs a database driver: {err} "
+                         "(pip install 'lightning-autotune[postgres]')") from None
     except Exception as err:  # SQLAlchemy raises many types for a server it cannot reach
         message = " ".join(str(err).split())[:300]
         raise ValueError(f"cannot open storage '{_redact(url)}': {type(err).__name__}: {message}") from None
