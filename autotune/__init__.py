@@ -1,13 +1,17 @@
 """lightning-autotune: memory-elastic auto-tuning for PyTorch Lightning.
 
-The runtime callbacks live in :mod:`autotune.callbacks`; this package holds the engine behind them and the
-memory tools (probe, budget).
+The runtime callbacks live in :mod:`autotune.callbacks`; this package holds the plan, the estimator, the search
+and the memory tools (probe, budget). Optuna and matplotlib are imported only by the search and report paths.
 """
 
 from autotune._budget import Budget
+from autotune._estimate import Estimate, estimate
 from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune._plan import PRECISIONS, STRATEGIES, Plan, Provenance
 from autotune._probe import MemoryProbe, probe_memory
+from autotune._search import NoFeasiblePlanError, SearchResult, search
+from autotune._space import SearchSpace, SpaceError, available_spaces, load_space
+from autotune._target import Target, TargetError, load_target
 from autotune._tuned import PlanFileError, load_plan
 
 __version__ = "0.1.0"
@@ -16,13 +20,25 @@ __all__ = [
     "PRECISIONS",
     "STRATEGIES",
     "Budget",
+    "Estimate",
     "MemoryProbe",
+    "NoFeasiblePlanError",
     "OutOfMemoryAtMinimumError",
     "Plan",
     "PlanFileError",
     "Provenance",
+    "SearchResult",
+    "SearchSpace",
+    "SpaceError",
+    "Target",
+    "TargetError",
     "__version__",
+    "available_spaces",
+    "estimate",
     "is_oom_error",
     "load_plan",
+    "load_space",
+    "load_target",
     "probe_memory",
+    "search",
 ]

@@ -1,0 +1,72 @@
+"""Every shell command shown in the README and the docs runs (in a scratch folder, in the order shown)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*/README.md"))]
+POSTGRES = os.environ.get("AUTOTUNE_TEST_POSTGRES")
+
+
+def commands(path: Path) -> list[str]:
+    """The lines of the file's ```bash blocks; an install step before `&&` is what the test environment did."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = [p.strip() for p in line.split("&&")]
+            parts = [p for p in parts if not p.startswith("pip install")]
+            if parts and not any("pytest" in p for p in parts):
+                found.append(" && ".join(parts))
+    return found
+
+
+def test_the_docs_show_commands() -> None:
+    shown = {p.relative_to(ROOT).as_posix(): commands(p) for p in DOCS}
+    assert shown["README.md"], "the README's main command is not found"
+    assert any("autotune search" in c for cs in shown.values() for c in cs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [p for p in DOCS if commands(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_doc_commands_run(doc: Path, tmp_path: Path) -> None:
+    for name in ("examples", "tests"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for command in commands(doc):
+        if "postgresql://" in command:
+            if POSTGRES is None:
+                continue  # needs a server; .ci/run starts one
+            command = re.sub(r"postgresql://\S+", POSTGRES, command).replace("--study gpt-2gib",
+                                                                              f"--study docs-{os.getpid()}")
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{doc.name}: `{command}` failed:\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    block = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
+    assert block[0].startswith("pip install torch==2.13.0 -e . && ") and "autotune search" in block[0]
+    assert block[1] == 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q'
+    assert shlex.split(block[1])  # well-formed shell
+
+
+def test_api_reference_is_current() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
+    assert spec is not None and spec.loader is not None
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    assert (ROOT / "docs" / "api.md").read_text() == make_api.render(), "run: python docs/make_api.py"
