@@ -48,6 +48,8 @@ class TrialResult:
     tokens_per_second: float | None = None
     peak_bytes: int | None = None
     steps_timed: int = 0
+    flops_per_sample: float | None = None
+    mfu: float | None = None
     startup_seconds: float | None = None
     wall_seconds: float | None = None
     reason: str = ""
@@ -171,13 +173,23 @@ class _Meter:
                 self.first_step: float | None = None
                 self.marks: list[float] = []
                 self.pruned = False
+                self.flops: float | None = None  # of one optimizer step, counted on the last warm-up step
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 if self.first_step is None:
                     self.first_step = time.time()
+                if trainer.global_step == self.spec.warmup - 1 and self.spec.warmup > 0:  # the last untimed step
+                    from torch.utils.flop_counter import FlopCounterMode
+
+                    self.counter = FlopCounterMode(display=False)
+                    self.counter.__enter__()
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                    batch_idx: int) -> None:
+                counter = getattr(self, "counter", None)
+                if counter is not None and self.flops is None:
+                    counter.__exit__(None, None, None)
+                    self.flops = float(counter.get_total_flops())
                 if trainer.global_step < self.spec.warmup:
                     return
                 _sync(pl_module.device)
@@ -202,11 +214,15 @@ class _Meter:
                 if timed < 1:
                     return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
                 rate = self.rate()
+                per_sample = self.flops / self.batch_size if self.flops else None
+                peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
                 return TrialResult(
                     "pruned" if self.pruned else "ok",
                     samples_per_second=rate,
                     tokens_per_second=rate * self.tokens if self.tokens else None,
                     peak_bytes=getattr(self, "peak", None),
+                    flops_per_sample=per_sample,
+                    mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
                     steps_timed=timed,
                     startup_seconds=(self.first_step or time.time()) - self.launched,
                     wall_seconds=time.time() - self.launched,
@@ -214,6 +230,24 @@ class _Meter:
                 )
 
         return Meter(**kwargs)
+
+
+#: Dense peak FLOP/s per GPU by name fragment: (16-bit, TF32). MFU is reported only for GPUs listed here.
+_PEAK_FLOPS = {"H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
+               "L40S": (362e12, 183e12), "A10": (125e12, 62.5e12), "L4": (121e12, 60e12), "V100": (125e12, 15.7e12)}
+
+
+def peak_flops_per_second(device: str, precision: str) -> float | None:
+    """The device's dense peak FLOP/s for the precision, or None when unknown (CPUs, unlisted GPUs)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    for fragment, (half, tf32) in _PEAK_FLOPS.items():
+        if fragment in name:
+            return half if precision.startswith(("bf16", "16")) else tf32
+    return None
 
 
 def _sync(device: Any) -> None:
