@@ -104,6 +104,21 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
     assert result.plan.micro_batch_size == 8
 
 
+@pytest.mark.slow
+def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
+    space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": 8}),
+                            micro_batch_size=[32, 8])
+    result = search(target=f"{FIXTURE}:make_fixed_cost", budget="2GiB", space=space, trials=2, steps=6, warmup=1,
+                    storage=f"sqlite:///{tmp_path}/s.db", out=None)
+    fast, slow = result.study.get_trials()[:2]
+    assert fast.params["micro_batch_size"] == 32 and fast.state == TrialState.COMPLETE
+    assert fast.user_attrs["steps_timed"] == 6
+    assert slow.params["micro_batch_size"] == 8 and slow.state == TrialState.PRUNED
+    assert slow.user_attrs["steps_timed"] == 2  # stopped after a third of its steps
+    assert "clearly slower" in slow.user_attrs["reason"]
+    assert result.plan.micro_batch_size == 32
+
+
 def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     space = one_point_space(tmp_path, micro_batch_size=[32, 64])
     code = main(["search", f"{FIXTURE}:make_faulty", "--budget", "2GiB", "--space", space, "--trials", "2",
