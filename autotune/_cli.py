@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from autotune import __version__, _cli_search
 from autotune._budget import format_bytes
@@ -77,6 +78,75 @@ def format_probe_table(probe: MemoryProbe) -> str:
     return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
 
 
+# ------------------------------------------------------------------------------------------------------- estimate
+
+
+def _build_estimate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", nargs="?", default=None, metavar="TARGET",
+                        help="path/to/file.py:factory, package.module:factory, or a LightningCLI config")
+    parser.add_argument("--budget", required=True, help="memory budget: 20GiB, 512MiB, bytes, 0.8 (of total), auto")
+    parser.add_argument("--config", default=None, help="a LightningCLI config with the rest of a factory target")
+    parser.add_argument("--plan", nargs="+", action="extend", default=[], metavar="TUNED",
+                        help="tuned .yaml files whose plans to estimate")
+    parser.add_argument("--precision", nargs="+", action="extend", default=[], metavar="P",
+                        help="precisions to estimate, each with and without checkpointing (default without --plan: "
+                        "32-true and bf16-mixed)")
+    parser.add_argument("--micro-batch-size", default=None, metavar="N",
+                        help="micro-batch of every row (default: the plan's, else the whole batch)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one)")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list, with bytes as integers")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from autotune._budget import Budget
+    from autotune._estimate import default_plans, estimate_target
+    from autotune._target import load_target
+    from autotune._tuned import load_plan
+
+    budget = Budget.parse(args.budget)  # bad input fails before the target is built
+    micro = args.micro_batch_size
+    if micro is not None:
+        if not micro.isdigit() or int(micro) < 1:
+            raise ValueError(f"--micro-batch-size must be a positive int; got {micro!r}")
+        micro = int(micro)
+    plans = [load_plan(path) for path in args.plan]
+    if args.precision or not plans:
+        plans += default_plans(precisions=args.precision or None)
+    if args.target is None and args.config is None:
+        raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
+                         "or --config")
+    device: str | int | None = int(args.device) if args.device and args.device.isdigit() else args.device
+    target = load_target(args.target, config=args.config)
+    rows = estimate_target(target=target, plans=plans, budget=budget, device=device, micro_batch_size=micro)
+    print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
+    return _EXIT_OK
+
+
+def format_estimate_table(rows: Sequence[Any]) -> str:
+    """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro.
+
+    Example:
+        >>> print(format_estimate_table(rows))  # doctest: +SKIP
+        device cpu, batch 32, budget 4.00 GiB
+        plan                 micro  predicted peak  fits  max micro
+        32-true                 32       12.02 MiB  yes          32
+    """
+    if not rows:
+        return "no plans to estimate"
+    first = rows[0]
+    header = f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
+    table = [("plan", "micro", "predicted peak", "fits", "max micro")]
+    for row in rows:
+        label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
+        best = row.max_micro_batch_size
+        table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.estimate.predicted_peak_bytes),
+                      "yes" if row.fits else "no", "none fits" if best is None else str(best)))
+    widths = [max(len(line[i]) for line in table) for i in range(5)]
+    lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
+             f"{line[4]:>{widths[4]}}".rstrip() for line in table]
+    return "\n".join([header, *lines])
+
+
 # --------------------------------------------------------------------------------------------------------- parser
 
 _SUBCOMMANDS: tuple[_Subcommand, ...] = (
@@ -85,6 +155,12 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
         help="show a device's total and free memory, this process's use and other processes' use",
         build=_build_probe,
         action=_run_probe,
+    ),
+    _Subcommand(
+        name="estimate",
+        help="predict the peak memory of a training step for plans, and the largest micro-batch that fits a budget",
+        build=_build_estimate,
+        action=_run_estimate,
     ),
     _Subcommand(
         name="search",

@@ -129,8 +129,9 @@ def search(
     sampler = optuna.samplers.TPESampler(seed=seed)
     the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                     load_if_exists=True)
-    _stamp(the_study, {"target": target, "budget": str(parsed_budget), "budget_bytes": budget_bytes,
-                       "space": space_obj.name, "device": dev.type, "batch_size": batch_size})
+    _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
+                       "batch_size": batch_size})
+    the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
     with exclusive(stor):
         for params in space_obj.seeds:
             the_study.enqueue_trial(dict(params), skip_if_exists=True)
