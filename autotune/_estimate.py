@@ -1,0 +1,498 @@
+"""Predict the peak memory of one training step for a plan, without running it on the device.
+
+The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
+(:mod:`autotune._apply`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
+every storage under parameters, gradients, optimizer state, activations or temporaries while it lives. The step is
+Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes
+the optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones
+of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are
+those at that moment. CPU convolutions add their kernels' work buffers (:func:`_cpu_conv_workspace`). On CUDA each
+allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces (:func:`cuda_overhead_bytes`; the CUDA
+context is outside ``max_memory_allocated``), plus DDP's gradient buckets under ``strategy="ddp"``. Offloaded
+activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu`` keeps a tensor where it is, so offload
+saves nothing there. ``compile`` is not traced: the estimate is the eager step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autotune._apply import checkpoint_blocks, offload_activations, select_blocks
+from autotune._batch import batch_size_of, slice_batch
+from autotune._budget import Budget, BudgetSpec
+from autotune._plan import Plan
+from autotune._probe import DeviceSpec, probe_memory, resolve_device
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+    from autotune._target import Target
+
+__all__ = ["Estimate", "TargetEstimate", "cuda_overhead_bytes", "default_plans", "estimate", "estimate_target",
+           "first_batch", "max_micro_batch_size"]
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+_TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "overhead")
+#: cuBLAS's workspace per handle and stream (torch's CublasHandlePool defaults); a step uses two handles.
+_CUBLAS_WORKSPACE_SM90 = 32 * 2**20
+_CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * 2**10 + 8 * 16 * 2**10
+_CUBLAS_HANDLES_PER_STEP = 2
+_CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (MemTracker applies it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The predicted peak memory of one training step with a plan on one micro-batch, and what it is made of.
+
+    The six ``*_bytes`` categories are taken at the moment of the peak and add up to ``predicted_peak_bytes``.
+
+    Attributes:
+        plan: The plan traced, its ``micro_batch_size`` set to the micro-batch traced.
+        micro_batch_size: Samples in the traced micro-batch.
+        device: The device estimated for (``"cpu"``, ``"cuda:0"``).
+        parameters_bytes: Parameters and buffers.
+        gradients_bytes: Gradients alive at the peak (this step's, or the previous step's during the forward).
+        optimizer_state_bytes: The optimizer's state (Adam's moments, momentum buffers).
+        activations_bytes: Tensors made in the forward and still alive (mostly saved for backward), and the batch.
+        temporaries_bytes: Other tensors made in the backward and the update, and kernels' work buffers.
+        overhead_bytes: What the runtime holds besides tensors and counts in its peak (see the module notes).
+        predicted_peak_bytes: The peak: the sum of the six categories.
+        host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations); 0 on the CPU.
+
+    Example:
+        >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
+        >>> e.fits(8 * 2**30), sum(e.breakdown().values()) == e.predicted_peak_bytes  # doctest: +SKIP
+        (True, True)
+    """
+
+    plan: Plan
+    micro_batch_size: int
+    device: str
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    temporaries_bytes: int
+    overhead_bytes: int
+    predicted_peak_bytes: int
+    host_bytes: int = 0
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the predicted peak is at most ``budget_bytes``."""
+        return self.predicted_peak_bytes <= budget_bytes
+
+    def breakdown(self) -> dict[str, int]:
+        """The six categories (``"parameters"`` ... ``"overhead"``) in bytes; they add up to the peak."""
+        return {name: getattr(self, f"{name}_bytes") for name in _CATEGORIES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetEstimate:
+    """One row of ``autotune estimate``: a plan's estimate at the row's micro-batch against ``budget_bytes``, and
+    the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none does)."""
+
+    estimate: Estimate
+    batch_size: int
+    budget_bytes: int
+    max_micro_batch_size: int | None
+
+    @property
+    def fits(self) -> bool:
+        """Whether the row's micro-batch fits the budget."""
+        return self.estimate.fits(self.budget_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row for JSON: the plan's fields (not its provenance), the estimate, the budget and the fit."""
+        plan = {f.name: getattr(self.estimate.plan, f.name) for f in dataclasses.fields(Plan) if f.name != "provenance"}
+        if isinstance(plan["activation_checkpointing"], tuple):
+            plan["activation_checkpointing"] = list(plan["activation_checkpointing"])
+        return {**plan, "micro_batch_size": self.estimate.micro_batch_size, "device": self.estimate.device,
+                "predicted_peak_bytes": self.estimate.predicted_peak_bytes,
+                **{f"{name}_bytes": value for name, value in self.estimate.breakdown().items()},
+                "host_bytes": self.estimate.host_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
+                "max_micro_batch_size": self.max_micro_batch_size}
+
+
+def estimate(
+    *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec = None,
+    optimizer: OptimizerFactory | None = None,
+) -> Estimate:
+    """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
+
+    Nothing runs on the device and ``model`` is not touched: a copy without data is traced.
+
+    Args:
+        model: The LightningModule (automatic optimization).
+        batch: A training batch; the micro-batch is its first ``plan.micro_batch_size`` samples (None: all).
+        plan: Its precision, checkpointing, offload, strategy and micro-batch are applied.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or N; None: the current CUDA device, else the CPU.
+        optimizer: Builds the optimizer from the parameters; None: the model's ``configure_optimizers()``.
+
+    Raises:
+        ValueError: for a bad device, a batch without tensors, a micro-batch larger than the batch, a precision the
+            estimator does not trace, manual optimization, or a ``training_step`` that cannot be traced.
+
+    Example:
+        >>> estimate(model=model, batch=batch, plan=Plan(micro_batch_size=8)).fits(2**30)  # doctest: +SKIP
+        True
+    """
+    traces = _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer)
+    return traces.at(plan.micro_batch_size or traces.size)
+
+
+def max_micro_batch_size(
+    *, model: LightningModule, batch: Any, plan: Plan, budget_bytes: int, device: DeviceSpec = None,
+    optimizer: OptimizerFactory | None = None,
+) -> int | None:
+    """The largest micro-batch of ``batch`` (1..its size) whose predicted step peak fits ``budget_bytes``.
+
+    The peak is close to affine in the micro-batch: the search interpolates between a size that fits and one that
+    does not and traces each guess (halving when a guess gains little). Returns None when one sample does not fit.
+
+    Raises:
+        ValueError: as :func:`estimate`, and for ``budget_bytes`` not a positive int.
+
+    Example:
+        >>> max_micro_batch_size(model=model, batch=batch, plan=Plan(), budget_bytes=2**30)  # doctest: +SKIP
+        24
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int of bytes; got {budget_bytes!r}")
+    return _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer).largest_fit(budget_bytes)
+
+
+def default_plans(*, precisions: Sequence[str] | None = None) -> list[Plan]:
+    """Each precision (default 32-true and bf16-mixed) with no and full checkpointing; ValueError for a bad one."""
+    return [Plan(precision=p, activation_checkpointing=c) for p in precisions or ("32-true", "bf16-mixed")
+            for c in (0.0, 1.0)]
+
+
+def estimate_target(
+    *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
+    micro_batch_size: int | None = None,
+) -> list[TargetEstimate]:
+    """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
+
+    ``budget`` is a spec (``"20GiB"``, ``0.8``, ``"auto"``) resolved against ``device``'s memory; every row uses
+    ``micro_batch_size`` (None: the plan's own, else the whole batch). Returns one row per plan, in order.
+
+    Raises:
+        ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
+            data gives no batch.
+    """
+    resolved = resolve_device(device)
+    parsed = Budget.parse(budget)
+    if parsed.kind == "bytes":
+        budget_bytes = int(parsed.value)  # type: ignore[arg-type]
+    else:
+        probe = probe_memory(resolved)
+        budget_bytes = parsed.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+    batch = first_batch(target)
+    rows = []
+    for plan in plans:
+        traces = _Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None)
+        at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
+        rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
+                                   max_micro_batch_size=traces.largest_fit(budget_bytes)))
+    return rows
+
+
+def first_batch(target: Target) -> Any:
+    """The first batch of the target's train dataloader (after ``datamodule.setup("fit")``); ``TargetError`` if none."""
+    from autotune._target import TargetError
+
+    owner: Any = target.datamodule if target.datamodule is not None else target.model
+    try:
+        if target.datamodule is not None:
+            target.datamodule.setup("fit")
+        return next(iter(owner.train_dataloader()))
+    except StopIteration:
+        raise TargetError(f"target '{target.spec}': the train dataloader yields no batch") from None
+    except Exception as error:
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        raise TargetError(f"target '{target.spec}': cannot read a training batch ({message})") from error
+
+
+def cuda_overhead_bytes(device: torch.device) -> int:
+    """The cuBLAS workspaces a CUDA step holds in the caching allocator (counted by ``max_memory_allocated``).
+
+    Two handles (the forward's thread, autograd's device thread) each get ``CUBLAS_WORKSPACE_CONFIG`` (``:4096:8``
+    is 8 x 4096 KiB), else torch's default: 32 MiB on compute capability 9.x, 8.125 MiB before. Not yet calibrated
+    on a GPU: ``benchmarks/estimator_accuracy.py --device cuda`` prints what to set.
+    """
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        workspace = sum(int(size) * int(count) for size, count in pairs) * 2**10
+    else:
+        hopper = torch.cuda.get_device_capability(device)[0] == 9
+        workspace = _CUBLAS_WORKSPACE_SM90 if hopper else _CUBLAS_WORKSPACE_DEFAULT
+    return _CUBLAS_HANDLES_PER_STEP * workspace
+
+
+# ---------------------------------------------------------------------------------------------------------- tracing
+
+
+class _Traces:
+    """Estimates of one model, batch and plan at any micro-batch, each traced once."""
+
+    def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
+                 optimizer: OptimizerFactory | None) -> None:
+        if plan.precision not in _TRACEABLE_PRECISIONS:
+            raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
+                             f"got {plan.precision!r}")
+        if not getattr(model, "automatic_optimization", True):
+            raise ValueError(f"{type(model).__name__} uses manual optimization, which the estimator cannot trace")
+        size = batch_size_of(batch)
+        if not size:
+            raise ValueError("batch holds no tensor with a batch dimension; the estimator needs a training batch")
+        self.model, self.batch, self.plan, self.optimizer, self.size = model, batch, plan, optimizer, size
+        self.device = resolve_device(device)
+        self._done: dict[int, Estimate] = {}
+
+    def at(self, micro: int) -> Estimate:
+        if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= self.size:
+            raise ValueError(f"micro_batch_size must be an int in 1..{self.size} (the batch size); got {micro!r}")
+        if micro not in self._done:
+            self._done[micro] = _trace(self, micro)
+        return self._done[micro]
+
+    def largest_fit(self, budget_bytes: int) -> int | None:
+        """The largest m in 1..size whose peak fits, for a peak that grows with m."""
+        peak: Callable[[int], int] = lambda m: self.at(m).predicted_peak_bytes  # noqa: E731
+        if peak(1) > budget_bytes:
+            return None
+        lo, hi = 1, self.size  # lo fits, hi does not
+        if peak(hi) <= budget_bytes:
+            return hi
+        bisect = False
+        while hi - lo > 1:
+            width = hi - lo
+            slope = (peak(hi) - peak(lo)) / width
+            guess = (lo + hi) // 2 if bisect or slope <= 0 else lo + int((budget_bytes - peak(lo)) / slope)
+            guess = min(max(guess, lo + 1), hi - 1)
+            lo, hi = (guess, hi) if peak(guess) <= budget_bytes else (lo, guess)
+            bisect = not bisect and hi - lo > width // 2
+        return lo
+
+
+def _trace(traces: _Traces, micro: int) -> Estimate:
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    plan, device, size = traces.plan, traces.device, traces.size
+    precision = _precision_plugin(plan.precision, device)
+    part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
+    accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    trainer = getattr(traces.model, "_trainer", None)
+    with FakeCopyMode(mode):
+        fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
+    with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
+        warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
+        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
+        _convert(fake, device, getattr(precision, "_desired_input_dtype", None))
+        fake.train()
+        if plan.activation_checkpointing:
+            checkpoint_blocks(select_blocks(fake, plan.activation_checkpointing))
+        optimizers = _optimizers(fake, traces.optimizer, device)
+        inputs, input_tensors = _fake_batch(mode, part, device, precision)
+
+        def step(*, zero_grad: bool) -> None:  # forward (last gradients alive), zero_grad, backward, update
+            with offload_activations(pin_memory=False) if plan.activation_offload else contextlib.nullcontext():
+                with precision.forward_context() if precision is not None else contextlib.nullcontext():
+                    loss = _loss_of(fake, fake.training_step(inputs, 0))
+                if zero_grad:
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                loss.backward()
+            del loss
+            for opt in optimizers:
+                opt.step()
+
+        try:
+            step(zero_grad=True)  # the first step makes the gradients and the optimizer state
+            tracker = _step_tracker()
+            tracker.track_external(fake, *optimizers, *input_tensors)
+            before = tracker.get_tracker_snapshot()
+            with tracker:
+                step(zero_grad=not accumulate)
+        except (RuntimeError, NotImplementedError, TypeError) as error:
+            message = " ".join(str(error).split())[:300]
+            raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
+                             f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "
+                             "tensor values (such as .item() or data-dependent shapes)") from error
+        state_bytes = _bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device)
+        trained = (p for p in fake.parameters() if p.requires_grad)
+        ddp_bytes = _bytes_of(trained, device) if plan.strategy == "ddp" else 0  # DDP's buckets: one more gradient
+    return _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
+                          state_bytes=state_bytes, extra_overhead=ddp_bytes)
+
+
+def _step_tracker() -> Any:
+    """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
+    buffers CPU convolutions allocate inside their kernels."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class StepTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            extra = _cpu_conv_workspace(func, args, out)
+            snap = self._curr_mem_snap.get(args[0].device) if extra else None
+            if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] += extra
+                self._update_peak_stats(None)
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] -= extra
+            return out
+
+    return StepTracker()
+
+
+def _cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
+    """Bytes a CPU convolution allocates and frees inside its kernel, unseen by any dispatch mode.
+
+    Measured with the profiler: the im2col kernel (``Slow2d``, e.g. bf16 without AVX512-BF16) holds a column buffer
+    of ``batch x C_in x kh x kw x H_out x W_out`` in forward and in backward; oneDNN (``Mkldnn``) holds a copy of
+    the output in forward, and of the output's gradient and the input's gradient in backward.
+    """
+    aten = torch.ops.aten
+    if func not in (aten.convolution.default, aten.convolution_backward.default) or args[0].device.type != "cpu":
+        return 0
+    backward = func is aten.convolution_backward.default
+    grad_out, (x, weight), rest = (args[0], args[1:3], args[4:10]) if backward else (None, args[:2], args[3:9])
+    backend = getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", "")
+    if backend == "Slow2d":
+        out_hw = (grad_out if backward else out).shape[2:]
+        return x.shape[0] * x.shape[1] * math.prod(weight.shape[2:]) * math.prod(out_hw) * x.element_size()
+    if backend == "Mkldnn":
+        if not backward:
+            return out.numel() * out.element_size()
+        return grad_out.numel() * grad_out.element_size() + (x.numel() * x.element_size() if args[-1][0] else 0)
+    return 0
+
+
+def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
+                   device: torch.device, state_bytes: int, extra_overhead: int) -> Estimate:
+    from torch.distributed._tools.mem_tracker import _MemRefType as Ref
+
+    here: Mapping[Any, int] = next((snap for dev, snap in snapshot.items() if dev.type == device.type), {})
+    host = sum(max(0, snap.get("Total", 0) - before.get(dev, {}).get("Total", 0))  # what the step adds there
+               for dev, snap in snapshot.items() if dev.type != device.type)
+    made_in_update = int(here.get(Ref.OPT, 0))
+    state = min(made_in_update, state_bytes)  # the rest of what the update made is its temporaries
+    parts = {
+        "parameters_bytes": int(here.get(Ref.PARAM, 0) + here.get(Ref.BUFFER, 0)),
+        "gradients_bytes": int(here.get(Ref.GRAD, 0)),
+        "optimizer_state_bytes": state,
+        "activations_bytes": int(here.get(Ref.ACT, 0) + here.get(Ref.OTH, 0)),
+        "temporaries_bytes": int(here.get(Ref.TEMP, 0)) + made_in_update - state,
+        "overhead_bytes": extra_overhead + (cuda_overhead_bytes(device) if device.type == "cuda" else 0),
+    }
+    return Estimate(plan=plan.replace(micro_batch_size=micro), micro_batch_size=micro, device=str(device),
+                    predicted_peak_bytes=sum(parts.values()), host_bytes=host, **parts)
+
+
+def _convert(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """``model.to(device, dtype)`` for a fake copy (``Module.to`` cannot swap fake parameters); ties are kept."""
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None and id(t) not in done:
+                    new = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                    is_param = isinstance(t, nn.Parameter)
+                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+                if t is not None:
+                    tensors[name] = done[id(t)]
+        if isinstance(module, _DeviceDtypeModuleMixin):  # what ``self.device`` and ``self.dtype`` answer
+            module._device = device
+            module._dtype = dtype or module._dtype
+
+
+def _precision_plugin(precision: str, device: torch.device) -> Any:
+    """Lightning's plugin for ``precision`` (None for 32-true): the autocast or dtype the Trainer applies."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    if precision.endswith("-mixed"):  # a GradScaler only scales the loss: leave it out (it wants a real device)
+        return MixedPrecision(precision, device=device.type, scaler=None if precision == "bf16-mixed" else object())
+    return HalfPrecision(precision) if precision in ("bf16-true", "16-true") else None
+
+
+def _optimizers(model: LightningModule, factory: OptimizerFactory | None, device: torch.device) -> list[Any]:
+    if factory is not None:
+        optimizers = [factory(model.parameters())]
+    else:
+        from lightning.pytorch.core.optimizer import _configure_optimizers
+
+        model._trainer = SimpleNamespace(  # type: ignore[assignment]  # the trainer of an endless run
+            estimated_stepping_batches=math.inf, max_steps=-1, max_epochs=None, num_devices=1, world_size=1,
+            global_rank=0, local_rank=0)
+        try:
+            config = model.configure_optimizers()
+        except AttributeError as error:
+            raise ValueError(f"{type(model).__name__}.configure_optimizers() needs a Trainer the estimator does not "
+                             f"have ({error}); pass optimizer= to estimate()") from error
+        finally:
+            model._trainer = None
+        optimizers = [getattr(opt, "optimizer", opt) for opt in _configure_optimizers(config)[0]]
+    if not optimizers:
+        raise ValueError(f"{type(model).__name__}.configure_optimizers() returned no optimizer; nothing to estimate")
+    for opt in optimizers:  # torch picks foreach for real CUDA tensors, not for fake ones: pick what a run would
+        for group in opt.param_groups:
+            if device.type == "cuda" and "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+    return optimizers
+
+
+def _fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The batch as fake tensors on ``device`` in the plan's input dtype, and its tensors."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t).to(device))
+    fake = precision.convert_input(fake) if precision is not None else fake
+    found: list[torch.Tensor] = []
+    apply_to_collection(fake, torch.Tensor, found.append)
+    return fake, found
+
+
+def _loss_of(model: nn.Module, output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"{type(model).__name__}.training_step returned {type(output).__name__}, not a loss tensor "
+                         "or a dict with 'loss'; the estimator traces steps that return a loss")
+    return loss
+
+
+def _bytes_of(tensors: Iterable[Any], device: torch.device) -> int:
+    """Bytes of the distinct storages of the tensors on ``device`` (the rest ignored), rounded to 512 B on CUDA."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == device.type:
+            nbytes = t.untyped_storage().nbytes()
+            seen[t.untyped_storage()._cdata] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
+    return sum(seen.values())
+
+

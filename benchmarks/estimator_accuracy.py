@@ -1,0 +1,337 @@
+"""Estimator accuracy: the predicted peak of one training step (``autotune.estimate``) against a measured one.
+
+For each model and plan, the estimator traces the step without running it; then the same step runs for real on
+fresh weights and its peak is measured by code that shares nothing with the estimator:
+
+- CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free of the CPU allocator
+  (tensors and kernels' internal buffers alike). The peak is the bytes alive before profiling (parameters,
+  buffers, the batch) plus the highest running sum of those events inside the measured step.
+- CUDA: ``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats()``.
+
+The real step is the one Lightning runs with the plan's callbacks: the plan's precision through Lightning's
+precision plugins, checkpointing through ``autotune._apply`` (what ``ApplyPlan`` calls), offload through
+``save_on_cpu`` (pinned on CUDA), and, when the micro-batch is smaller than the batch, one forward and backward
+per micro-batch accumulating into the gradients (``ElasticBatchSize``), with ``zero_grad`` after the first
+forward and one ``optimizer.step()`` at the end. One warm-up step comes first (it makes the optimizer state); the
+second step is measured. Seeds are fixed.
+
+Usage::
+
+    python benchmarks/estimator_accuracy.py --device cpu              # about 15 minutes on a 2-core CPU
+    python benchmarks/estimator_accuracy.py --device cpu --quick
+    python benchmarks/estimator_accuracy.py --device cuda --json estimator_accuracy_cuda.json
+
+The table is printed as Markdown (for ``docs/benchmarks.md``), with the median absolute error last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+_GPT_DIR = str(ROOT / "examples" / "gpt")
+if _GPT_DIR not in sys.path:
+    sys.path.insert(0, _GPT_DIR)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from model import GPT  # noqa: E402
+
+from autotune import Plan, probe_memory  # noqa: E402
+from autotune._apply import checkpoint_blocks, offload_activations, select_blocks  # noqa: E402
+from autotune._batch import batch_size_of, slice_batch  # noqa: E402
+from autotune._estimate import estimate  # noqa: E402
+
+#: The models measured: three sizes of the example GPT (the first is ``examples/gpt/train.py:make``), an MLP of
+#: residual blocks and a small CNN with BatchNorm. Each batch holds 16 samples.
+GPT_SIZES = {
+    "gpt-2x64": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32},
+    "gpt-4x128": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64},
+    "gpt-6x192": {"n_layer": 6, "n_head": 6, "n_embd": 192, "block_size": 128},
+}
+MODELS = (*GPT_SIZES, "mlp", "cnn")
+BATCH = 16
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MLP(LightningModule):
+    """A per-token classifier of ``depth`` residual MLP blocks on ``(batch, tokens, width)`` inputs, AdamW."""
+
+    def __init__(self, *, width: int = 256, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(MLPBlock(width) for _ in range(depth)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, -2), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class ConvBlock(nn.Module):
+    """Conv 3x3, BatchNorm, ReLU, with a residual connection."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+class CNN(LightningModule):
+    """A small image classifier: stem conv, ``depth`` residual conv blocks, pooling, linear head; SGD momentum."""
+
+    def __init__(self, *, channels: int = 32, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*(ConvBlock(channels) for _ in range(depth)))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def build(name: str, *, batch_size: int = BATCH) -> tuple[LightningModule, Any]:
+    """A fresh model (seeded) and one training batch for ``name`` in ``MODELS``."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if name in GPT_SIZES:
+        size = GPT_SIZES[name]
+        model = GPT(vocab_size=256, **size)
+        tokens = torch.randint(0, 256, (batch_size, size["block_size"] + 1), generator=gen)
+        return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    if name == "mlp":
+        tokens = (batch_size, 32)
+        return MLP(), (torch.randn(*tokens, 256, generator=gen), torch.randint(0, 10, tokens, generator=gen))
+    if name == "cnn":
+        images = torch.randn(batch_size, 3, 32, 32, generator=gen)
+        return CNN(), (images, torch.randint(0, 10, (batch_size,), generator=gen))
+    raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
+
+
+def plans(*, quick: bool = False) -> list[Plan]:
+    """The plans measured: precision x checkpointing x offload x micro-batch (fewer with ``quick``)."""
+    grid = itertools.product(("32-true", "bf16-mixed"), (0.0, 1.0), (False, True), (4, 16))
+    chosen = [Plan(precision=p, activation_checkpointing=c, activation_offload=o, micro_batch_size=m)
+              for p, c, o, m in grid]
+    return [p for p in chosen if not p.activation_offload] if quick else chosen
+
+
+# ------------------------------------------------------------------------------------------------ the real step
+
+
+def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str | torch.device = "cpu") -> int:
+    """The measured peak of the second real training step of ``model`` (a copy) with ``plan`` on ``batch``.
+
+    CPU: tensor bytes alive at the peak, from the profiler's allocator events; CUDA: ``max_memory_allocated``.
+    """
+    device = torch.device(device)
+    model = copy.deepcopy(model).to(device).train()
+    precision = _precision_plugin(plan.precision, device)
+    if precision is not None and hasattr(precision, "convert_module") and plan.precision.endswith("-true"):
+        model = precision.convert_module(model)
+    if plan.activation_checkpointing:
+        checkpoint_blocks(select_blocks(model, plan.activation_checkpointing))
+    optimizer = _optimizer(model)
+    size = batch_size_of(batch)
+    micro = plan.micro_batch_size or size
+    parts = [slice_batch(batch, i, min(i + micro, size), size) for i in range(0, size, micro)]
+
+    def step() -> None:
+        offload = offload_activations(pin_memory=device.type == "cuda") if plan.activation_offload else _nothing()
+        with offload:
+            for i, part in enumerate(parts):
+                part = _to(part, device, precision)
+                with precision.forward_context() if precision is not None else _nothing():
+                    output = model.training_step(part, 0)
+                loss = (output["loss"] if isinstance(output, dict) else output) / len(parts)
+                if i == 0:
+                    optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                del loss, output, part
+        optimizer.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if device.type == "cuda":
+            step()
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        return _profiled_cpu_peak(model, batch, step)
+
+
+def _optimizer(model: LightningModule) -> torch.optim.Optimizer:
+    """The model's optimizer; a model asking its trainer for the schedule length gets an endless one."""
+    from types import SimpleNamespace
+
+    model._trainer = SimpleNamespace(estimated_stepping_batches=float("inf"))  # type: ignore[assignment]
+    try:
+        config = model.configure_optimizers()
+    finally:
+        model._trainer = None
+    if isinstance(config, dict):
+        config = config["optimizer"]
+    return config
+
+
+def _profiled_cpu_peak(model: nn.Module, batch: Any, step: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    before = _bytes_alive(*model.parameters(), *model.buffers(), *_tensors(batch))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()  # warm-up inside the profile, so the frees of its gradients are seen
+        with record_function("measured_step"):
+            step()
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    window = next(e for e in events if e.name() == "measured_step")
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    alive = peak = 0
+    for event in memory:
+        alive += event.nbytes()
+        if window.start_ns() <= event.start_ns() <= window.end_ns():
+            peak = max(peak, alive)
+    return before + peak
+
+
+def _bytes_alive(*tensors: Tensor) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    return found
+
+
+def _to(batch: Any, device: torch.device, precision: Any) -> Any:
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    moved = apply_to_collection(batch, Tensor, lambda t: t.to(device))
+    return precision.convert_input(moved) if precision is not None else moved
+
+
+def _precision_plugin(precision: str, device: torch.device) -> Any:
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device=device.type)  # type: ignore[arg-type]
+    if precision in ("bf16-true", "16-true"):
+        return HalfPrecision(precision)  # type: ignore[arg-type]
+    return None
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+
+def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[str, Any]]:
+    """Predict and measure every model x plan; one row per pair."""
+    rows = []
+    for name in models:
+        model, batch = build(name)
+        for plan in plan_list:
+            start = time.perf_counter()
+            predicted = estimate(model=model, batch=batch, plan=plan, device=device)
+            traced = time.perf_counter() - start
+            measured = measure_peak(model=model, batch=batch, plan=plan, device=device)
+            gc.collect()
+            error = (predicted.predicted_peak_bytes - measured) / measured
+            rows.append({"model": name, "plan": plan.describe(), "predicted_bytes": predicted.predicted_peak_bytes,
+                         "measured_bytes": measured, "error": error, "trace_seconds": traced,
+                         "overhead_bytes": predicted.overhead_bytes})
+            print(f"{name:10} {plan.describe():40} predicted {predicted.predicted_peak_bytes:>12,} "
+                  f"measured {measured:>12,} error {error:+.2%}", file=sys.stderr)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], device: str) -> str:
+    """The rows as a Markdown table, and the median absolute error."""
+    mib = 2**20
+    lines = ["| model | plan | predicted (MiB) | measured (MiB) | error |", "|---|---|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row['plan']} | {row['predicted_bytes'] / mib:.2f} | "
+                     f"{row['measured_bytes'] / mib:.2f} | {row['error']:+.1%} |")
+    errors = [abs(row["error"]) for row in rows]
+    lines.append("")
+    lines.append(f"Median absolute error on {device}: {statistics.median(errors):.1%} over {len(rows)} cases "
+                 f"(max {max(errors):.1%}).")
+    if device.startswith("cuda"):  # what the constant overhead should be: measured minus the tensors predicted
+        residual = statistics.median(r["measured_bytes"] - r["predicted_bytes"] + r["overhead_bytes"] for r in rows)
+        lines.append(f"Calibration: median of measured minus predicted tensors {residual / mib:.2f} MiB "
+                     f"(the estimator's overhead: {rows[0]['overhead_bytes'] / mib:.2f} MiB).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: cpu)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--quick", action="store_true", help="leave out the offload plans")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = run(models=args.models, plan_list=plans(quick=args.quick), device=args.device)
+    print(markdown(rows, args.device))
+    if args.json is not None:
+        meta = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
+                "device_name": probe_memory(args.device).name}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

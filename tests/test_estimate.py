@@ -1,0 +1,315 @@
+import contextlib
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+import autotune
+import autotune._estimate as estimator
+from autotune import Estimate, Plan, estimate
+from autotune._cli import main
+from autotune._estimate import max_micro_batch_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_benchmark():
+    """``benchmarks/estimator_accuracy.py``: its models and its measured peak (profiler on CPU), not estimator code."""
+    spec = importlib.util.spec_from_file_location("estimator_accuracy", ROOT / "benchmarks" / "estimator_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("estimator_accuracy", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class TinyMLP(LightningModule):
+    """Two residual blocks over (batch, 8 tokens, 16 features); activations outweigh the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(16), Block(16))
+        self.head = nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("loss", 1.0)  # no trainer: must not break the trace
+        return {"loss": F.cross_entropy(self.head(self.blocks(x)).flatten(0, 1), y.flatten())}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def tiny_batch(n: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 8, 16, generator=gen), torch.randint(0, 4, (n, 8), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return bench.build("gpt-2x64")
+
+
+@pytest.fixture(scope="module")
+def gpt_estimates(gpt):
+    model, batch = gpt
+    plans = {"base": Plan(), "ckpt": Plan(activation_checkpointing=1.0), "bf16": Plan(precision="bf16-mixed")}
+    return {name: estimate(model=model, batch=batch, plan=plan, device="cpu") for name, plan in plans.items()}
+
+
+# ------------------------------------------------------------------------------------------------------ accuracy
+
+
+@pytest.mark.parametrize(
+    ("name", "plan"),
+    [
+        ("gpt-2x64", Plan(micro_batch_size=16)),
+        ("cnn", Plan(precision="bf16-mixed", activation_checkpointing=1.0, micro_batch_size=2)),
+        ("tiny", Plan(precision="bf16-mixed", activation_offload=True, micro_batch_size=8)),
+    ],
+)
+def test_cpu_prediction_is_within_10_percent_of_the_profiled_peak(name, plan):
+    size = 4 if name == "cnn" else 16  # the real CNN step in bf16 is slow on a CPU
+    model, batch = (TinyMLP(), tiny_batch()) if name == "tiny" else bench.build(name, batch_size=size)
+    predicted = estimate(model=model, batch=batch, plan=plan, device="cpu").predicted_peak_bytes
+    measured = bench.measure_peak(model=model, batch=batch, plan=plan, device="cpu")
+    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_median_error_is_within_5_percent():
+    errors = []
+    for name in ("gpt-4x128", "cnn"):
+        model, batch = bench.build(name)
+        for plan in (Plan(micro_batch_size=16), Plan(precision="bf16-mixed", micro_batch_size=16),
+                     Plan(activation_checkpointing=1.0, micro_batch_size=4), Plan(activation_offload=True)):
+            predicted = estimate(model=model, batch=batch, plan=plan, device="cuda").predicted_peak_bytes
+            measured = bench.measure_peak(model=model, batch=batch, plan=plan, device="cuda")
+            errors.append(abs(predicted - measured) / measured)
+    assert statistics.median(errors) <= 0.05, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_moves_saved_activations_to_the_host(gpt):
+    model, batch = gpt
+    kept = estimate(model=model, batch=batch, plan=Plan(), device="cuda")
+    offloaded = estimate(model=model, batch=batch, plan=Plan(activation_offload=True), device="cuda")
+    assert offloaded.activations_bytes < kept.activations_bytes
+    assert offloaded.host_bytes > kept.host_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+
+def test_checkpointing_lowers_the_prediction(gpt_estimates):
+    base, ckpt = gpt_estimates["base"], gpt_estimates["ckpt"]
+    assert ckpt.predicted_peak_bytes < 0.8 * base.predicted_peak_bytes
+    assert ckpt.activations_bytes < base.activations_bytes
+
+
+def test_bf16_mixed_lowers_activations_and_keeps_fp32_weights(gpt_estimates):
+    base, bf16 = gpt_estimates["base"], gpt_estimates["bf16"]
+    assert bf16.activations_bytes < 0.9 * base.activations_bytes
+    assert bf16.parameters_bytes == base.parameters_bytes
+
+
+def test_bf16_true_halves_parameters_and_optimizer_state(gpt, gpt_estimates):
+    model, batch = gpt
+    true = estimate(model=model, batch=batch, plan=Plan(precision="bf16-true"), device="cpu")
+    assert true.parameters_bytes == gpt_estimates["base"].parameters_bytes // 2
+    assert true.optimizer_state_bytes < 0.6 * gpt_estimates["base"].optimizer_state_bytes
+
+
+def test_offload_on_cpu_is_applied_and_saves_nothing(monkeypatch):
+    entered = []
+    real = estimator.offload_activations
+
+    @contextlib.contextmanager
+    def spy(*, pin_memory):
+        entered.append(pin_memory)
+        with real(pin_memory=pin_memory):
+            yield
+
+    monkeypatch.setattr(estimator, "offload_activations", spy)
+    model, batch = TinyMLP(), tiny_batch()
+    kept = estimate(model=model, batch=batch, plan=Plan(), device="cpu")
+    assert entered == []
+    offloaded = estimate(model=model, batch=batch, plan=Plan(activation_offload=True), device="cpu")
+    assert entered  # save_on_cpu wrapped the traced steps
+    # on the CPU save_on_cpu keeps a CPU tensor where it is: the host is the device, nothing moves
+    assert offloaded.predicted_peak_bytes == kept.predicted_peak_bytes
+    assert offloaded.host_bytes == kept.host_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------------- breakdown
+
+
+def test_breakdown_adds_up_to_the_peak(gpt, gpt_estimates):
+    model, _ = gpt
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for e in gpt_estimates.values():
+        assert isinstance(e, Estimate)
+        assert sum(e.breakdown().values()) == e.predicted_peak_bytes
+        assert e.overhead_bytes == 0 and e.device == "cpu"
+        assert e.parameters_bytes == param_bytes
+        assert 2 * param_bytes <= e.optimizer_state_bytes <= 2 * param_bytes + 8 * len(list(model.parameters()))
+        assert e.micro_batch_size == e.plan.micro_batch_size == 16
+        assert e.fits(e.predicted_peak_bytes) and not e.fits(e.predicted_peak_bytes - 1)
+
+
+def test_the_real_model_is_not_touched(gpt):
+    model, batch = gpt
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    estimate(model=TinyMLP(), batch=tiny_batch(), plan=Plan(), device="cpu")
+    estimate(model=model, batch=batch, plan=Plan(micro_batch_size=2), device="cpu")
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and p.grad is None and torch.equal(p, before[name])
+
+
+def test_max_micro_batch_size_is_monotone_in_the_budget_and_fits():
+    model, batch = TinyMLP(), tiny_batch()
+    one = estimate(model=model, batch=batch, plan=Plan(micro_batch_size=1), device="cpu").predicted_peak_bytes
+    whole = estimate(model=model, batch=batch, plan=Plan(), device="cpu").predicted_peak_bytes
+    budgets = [one - 1, one, (2 * one + whole) // 3, whole]
+    found = [max_micro_batch_size(model=model, batch=batch, plan=Plan(), budget_bytes=b, device="cpu") for b in budgets]
+    assert found[0] is None and found[-1] == 16
+    assert found[1:] == sorted(found[1:]) and 1 <= found[2] < 16
+    m = found[2]
+    fits = estimate(model=model, batch=batch, plan=Plan(micro_batch_size=m), device="cpu")
+    over = estimate(model=model, batch=batch, plan=Plan(micro_batch_size=m + 1), device="cpu")
+    assert fits.fits(budgets[2]) and not over.fits(budgets[2])
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs_raise_value_errors():
+    model, batch = TinyMLP(), tiny_batch()
+    with pytest.raises(ValueError, match="micro_batch_size must be an int in 1..16"):
+        estimate(model=model, batch=batch, plan=Plan(micro_batch_size=17), device="cpu")
+    with pytest.raises(ValueError, match="traces precision .* got 'transformer-engine'"):
+        estimate(model=model, batch=batch, plan=Plan(precision="transformer-engine"), device="cpu")
+    with pytest.raises(ValueError, match="batch holds no tensor"):
+        estimate(model=model, batch={"ids": ["a"]}, plan=Plan(), device="cpu")
+    with pytest.raises(ValueError, match="budget_bytes must be a positive int of bytes; got 0"):
+        max_micro_batch_size(model=model, batch=batch, plan=Plan(), budget_bytes=0, device="cpu")
+    model.automatic_optimization = False
+    with pytest.raises(ValueError, match="manual optimization"):
+        estimate(model=model, batch=batch, plan=Plan(), device="cpu")
+
+
+def test_a_step_that_reads_values_cannot_be_traced():
+    class Reads(TinyMLP):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)["loss"]
+            return loss * 0 if loss.item() > 1e9 else loss
+
+    with pytest.raises(ValueError, match="cannot trace Reads.training_step under FakeTensorMode"):
+        estimate(model=Reads(), batch=tiny_batch(), plan=Plan(), device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+TINY_TARGET = '''
+import sys
+sys.path.insert(0, {gpt!r})
+from data import SyntheticTokens
+from model import GPT
+
+
+def make():
+    data = SyntheticTokens(vocab_size=32, block_size=8, batch_size=8, num_samples=16, val_samples=8)
+    return GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), data
+'''
+
+
+@pytest.fixture
+def target(tmp_path):
+    path = tmp_path / "tiny_gpt.py"
+    path.write_text(TINY_TARGET.format(gpt=str(ROOT / "examples" / "gpt")))
+    return f"{path}:make"
+
+
+def test_cli_prints_a_row_per_plan(capsys, target):
+    assert main(["estimate", target, "--budget", "1GiB", "--device", "cpu", "--precision", "32-true"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == "device cpu, batch 8, budget 1.00 GiB"
+    assert lines[1].split() == ["plan", "micro", "predicted", "peak", "fits", "max", "micro"]
+    assert [line.split("  ")[0] for line in lines[2:]] == ["32-true", "32-true, ckpt 1.0"]
+    for line in lines[2:]:
+        *_, micro, _, unit, fits, best = line.split()
+        assert (micro, unit, fits, best) == ("8", "KiB", "yes", "8")
+
+
+def test_cli_json_rows_have_plan_fields_and_the_fit(capsys, target, tmp_path):
+    tuned = Plan(precision="bf16-mixed", micro_batch_size=4).save(tmp_path / "tuned.yaml")
+    assert main(["estimate", target, "--budget", "1GiB", "--device", "cpu", "--plan", str(tuned), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1
+    row = rows[0]
+    assert {"precision", "activation_checkpointing", "activation_offload", "micro_batch_size",
+            "predicted_peak_bytes", "fits", "max_micro_batch_size"} <= set(row)
+    assert row["precision"] == "bf16-mixed" and row["micro_batch_size"] == 4 and row["fits"] is True
+    parts = [row[f"{name}_bytes"] for name in ("parameters", "gradients", "optimizer_state", "activations",
+                                               "temporaries", "overhead")]
+    assert sum(parts) == row["predicted_peak_bytes"] > 0
+    assert row["max_micro_batch_size"] == 8
+
+
+def test_cli_micro_batch_overrides_the_plan_and_a_tight_budget_fits_nothing(capsys, target, tmp_path):
+    tuned = Plan(precision="bf16-mixed", micro_batch_size=4).save(tmp_path / "tuned.yaml")
+    assert main(["estimate", target, "--budget", "1KiB", "--device", "cpu", "--plan", str(tuned),
+                 "--micro-batch-size", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["micro_batch_size"], r["fits"], r["max_micro_batch_size"]) for r in rows] == [(2, False, None)]
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--budget", "20XB"], "budget must be bytes like"),
+        (["--budget", "1GiB", "--precision", "fp8"], "invalid plan: precision must be one of"),
+        (["--budget", "1GiB", "--micro-batch-size", "x"], "--micro-batch-size must be a positive int; got 'x'"),
+        (["--budget", "1GiB", "--micro-batch-size", "99"], "micro_batch_size must be an int in 1..8"),
+    ],
+)
+def test_cli_bad_input_is_a_one_line_usage_error(capsys, target, args, shown):
+    assert main(["estimate", target, "--device", "cpu", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"autotune: error: {shown}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_bad_target_is_a_one_line_usage_error(capsys, tmp_path):
+    assert main(["estimate", str(tmp_path / "missing.py") + ":make", "--budget", "1GiB", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotune: error: target ") and "does not exist" in err
+    assert err.count("\n") == 1
+
+
+def test_package_exports_the_estimator():
+    assert autotune.estimate is estimate and autotune.Estimate is Estimate
+    assert {"Estimate", "estimate"} <= set(autotune.__all__)
