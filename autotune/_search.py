@@ -219,7 +219,8 @@ class _Objective:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
         self.steps, self.warmup, self.trial_timeout = steps, warmup, trial_timeout
-        self._auto_cache: dict[tuple[Any, ...], int | None] = {}
+        self._auto_cache: dict[tuple[Any, ...], int] = {}
+        self.estimator = _Estimator(target_obj, device)
 
     def __call__(self, trial: Any) -> float:
         import optuna
@@ -295,15 +296,14 @@ class _Objective:
         return EARLY_STOP_SHARE * max(feasible) if feasible else None
 
     def _predict(self, plan: Plan) -> int | None:
-        return predicted_peak(self.target_obj, plan, self.device)
+        return self.estimator.peak(plan)
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
         key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
         if key not in self._auto_cache:
             plan = plan_from_params(params, micro_batch_size=None)
-            self._auto_cache[key] = largest_fitting_micro(self.target_obj, plan, self.device, self.budget_bytes)
-        batch = self.target_obj.batch_size()
-        return self._auto_cache[key] or batch
+            self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
+        return self._auto_cache[key]
 
     def remeasure(self, plan: Plan) -> TrialResult:
         return run_trial(self._spec(plan), timeout=self.trial_timeout)
@@ -355,11 +355,54 @@ def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
             f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")
 
 
-def predicted_peak(target: Any, plan: Plan, device: Any) -> int | None:
-    """The estimator's peak for ``plan`` on ``device``, or None when it cannot tell (logged)."""
-    return None
+_FAILED = object()  # the estimator could not tell
 
 
-def largest_fitting_micro(target: Any, plan: Plan, device: Any, budget_bytes: int) -> int | None:
-    """The largest micro-batch the estimator predicts to fit, or None when it cannot tell (logged)."""
-    return None
+class _Estimator:
+    """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
+
+    The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
+    the baseline (this process's resident set with the target loaded, about what a fresh trial holds before its first
+    step) is added. On CUDA the trial's allocator is capped at the budget, which is what the estimate is compared to.
+    Any failure of the estimator is logged and the search goes on without it.
+    """
+
+    def __init__(self, target: Any, device: Any) -> None:
+        from autotune._memory import current_rss_bytes
+
+        self.target, self.device = target, device
+        self.baseline = current_rss_bytes() if device.type != "cuda" else 0
+        self._batch: Any = None
+        self._warned = False
+
+    def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        from autotune._estimate import first_batch
+
+        try:
+            if self._batch is None:
+                self._batch = first_batch(self.target)
+            return fn(model=self.target.model, batch=self._batch, device=self.device, **kwargs)
+        except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
+            if not self._warned:
+                self._warned = True
+                log.warning("autotune: the estimator cannot trace this target (%s: %s); trials run unestimated",
+                            type(err).__name__, " ".join(str(err).split())[:200])
+            return _FAILED
+
+    def peak(self, plan: Plan) -> int | None:
+        from autotune._estimate import estimate
+
+        result = self._call(estimate, plan=plan)
+        return None if result is _FAILED else result.predicted_peak_bytes + self.baseline
+
+    def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
+        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
+        from autotune._estimate import max_micro_batch_size
+
+        room = budget_bytes - self.baseline
+        if room <= 0:
+            return 1
+        micro = self._call(max_micro_batch_size, plan=plan, budget_bytes=room)
+        if micro is _FAILED:
+            return batch_size
+        return 1 if micro is None else int(micro)

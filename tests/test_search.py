@@ -105,6 +105,21 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tmp_path: Path) -> None:
+    space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": "auto"}),
+                            micro_batch_size=["auto", 32])
+    result = search(target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
+                    storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
+    whole, auto = result.study.get_trials()[:2]
+    assert whole.state == TrialState.COMPLETE and whole.user_attrs["source"] == "estimate"  # never ran
+    assert whole.user_attrs["status"] == "oom" and whole.user_attrs["predicted_peak_bytes"] > 1.5 * 1.5 * 2**30
+    chosen = auto.user_attrs["auto_micro_batch_size"]
+    assert 2 <= chosen < 32 and auto.user_attrs["source"] == "measured"
+    assert auto.user_attrs["peak_bytes"] <= 1.5 * 2**30  # the estimator's choice fits when measured
+    assert result.plan.micro_batch_size == chosen
+
+
+@pytest.mark.slow
 def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": 8}),
                             micro_batch_size=[32, 8])
