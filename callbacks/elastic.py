@@ -226,8 +226,8 @@ class ElasticBatchSize(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self.engine
-        if engine is None or engine.micro_batch_size is None:
-            return
+        if engine is None or engine.micro_batch_size is None or not trainer._logger_connector.should_update_logs:
+            return  # log on the steps the Trainer writes (log_every_n_steps): each self.log call costs ~1 ms
         metrics = {
             "autotune/micro_batch_size": float(min(engine.micro_batch_size, engine.batch_size or 1)),
             "autotune/num_micro_batches": float(len(engine.sizes)),
