@@ -208,7 +208,7 @@ def test_sigkill_then_resume_retries_the_interrupted_trial_once(tmp_path: Path) 
     retries = [t for t in trials if t.number != running.number
                and RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == running.number]
     assert len(retries) == 1 and retries[0].params == running.params
-    assert len([t for t in trials if t.state == TrialState.COMPLETE]) == 3
+    assert len([t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]) == 3
     assert not [t for t in trials if t.state == TrialState.RUNNING]
 
 
@@ -220,7 +220,7 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
     space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[4, 8, 16, 32, 64],
                             activation_checkpointing=[0.0, 1.0])
     cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
-           "--trials", "6", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
+           "--trials", "4", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
            "--no-progress"]
     workers = [subprocess.Popen([*cmd, "--out", str(tmp_path / f"t{i}.yaml"), "--seed", str(i)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -231,7 +231,7 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
                                   str(journal))))
     trials = study.get_trials()
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert 6 <= len(finished) <= 7  # each worker stops once the study has 6; at most one runs past
+    assert 4 <= len(finished) <= 5  # each worker stops once the study has 4; at most one runs past
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING, TrialState.FAIL)]
     workers_seen = {t.user_attrs["worker"] for t in trials}
     assert len(workers_seen) == 2  # both took part
