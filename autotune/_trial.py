@@ -7,6 +7,7 @@ torch and Lightning once: a trial starts in milliseconds instead of the seconds 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -78,7 +79,7 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
         proc.join(timeout)
         timed_out = proc.is_alive()
         if timed_out:
-            proc.kill()
+            _kill_tree(proc.pid)  # the trial with its DDP ranks and dataloader workers, which would outlive it
             proc.join()
         if out.exists():
             return TrialResult(**json.loads(out.read_text()))
@@ -91,6 +92,21 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
                                wall_seconds=time.time() - launched)
         name = signal.Signals(-code).name if code < 0 else f"exit code {code}"
         return TrialResult("error", reason=f"trial process died ({name}){tail}", wall_seconds=time.time() - launched)
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill process ``pid`` and all its descendants (found before the first kill, so none is missed by reparenting)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
 
 
 def _tail(path: Path) -> str:
@@ -108,14 +124,33 @@ def _child(spec: TrialSpec, out: str, launched: float) -> None:
     try:
         _measure(spec, launched, out)
     except BaseException as exc:  # the trial's own failure is its result, never the search's
-        # Under DDP a rank's OOM comes back as a ProcessRaisedException carrying the rank's traceback text.
-        oom = is_oom_error(exc) or isinstance(exc, OutOfMemoryAtMinimumError) or "OutOfMemory" in str(exc)
-        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+        oom, reason = _failure(exc)
         result = TrialResult("oom" if oom else "error", reason=reason, wall_seconds=time.time() - launched)
         Path(out).write_text(json.dumps(dataclasses.asdict(result)))
     if not Path(out).exists():
         Path(out).write_text(json.dumps(dataclasses.asdict(TrialResult("error", reason="the run ended early"))))
     os._exit(0)  # leave without atexit hooks or CUDA teardown
+
+
+def _failure(exc: BaseException) -> tuple[bool, str]:
+    """Whether a trial's exception is an out-of-memory error, and a one-line reason (at most 500 characters).
+
+    Under DDP (``ddp_fork``) a rank's failure reaches the trial process as one of torch's multiprocessing
+    exceptions: ``ProcessRaisedException``, whose message is the rank's whole traceback (the error is its last
+    line, so the reason keeps that line, not the first 500 characters of the traceback), or
+    ``ProcessExitedException`` for a rank that died by a signal (SIGKILL: the kernel's out-of-memory killer, as for
+    the trial process itself in :func:`run_trial`).
+    """
+    text = str(exc)
+    oom = is_oom_error(exc) or isinstance(exc, OutOfMemoryAtMinimumError) or "OutOfMemory" in text
+    kind = type(exc).__name__
+    if kind == "ProcessRaisedException":
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        text = f"rank {getattr(exc, 'error_index', '?')} raised {lines[-1] if lines else 'an error'}"
+    elif kind == "ProcessExitedException" and getattr(exc, "signal_name", None) == "SIGKILL":
+        oom = True
+        text = f"rank {getattr(exc, 'error_index', '?')} was killed by SIGKILL (the kernel's out-of-memory killer)"
+    return oom, f"{kind}: {' '.join(text.split())}"[:500]
 
 
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
@@ -196,9 +231,12 @@ class _Meter:
                 self.marks.append(time.perf_counter())
                 timed = len(self.marks) - 1
                 threshold = self.spec.stop_below
-                if threshold and timed >= max(2, self.spec.steps // 3) and self.rate() < threshold:
-                    self.pruned = True
-                    trainer.should_stop = True
+                if threshold and timed >= max(2, self.spec.steps // 3):  # the same on every rank
+                    # Under DDP every rank times its own steps: the ranks stop together when any of them is too slow
+                    # (a rank that stops alone leaves the others waiting in a collective that then fails).
+                    if trainer.strategy.reduce_boolean_decision(self.rate() < threshold, all=False):
+                        self.pruned = True
+                        trainer.should_stop = True
 
             def rate(self) -> float:
                 timed = len(self.marks) - 1
@@ -206,6 +244,11 @@ class _Meter:
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 self.peak = _peak_bytes(pl_module.device)
+                if trainer.world_size > 1:  # under DDP, the largest peak of the ranks (the budget is per device)
+                    import torch
+
+                    peak = torch.tensor(self.peak, dtype=torch.int64, device=pl_module.device)
+                    self.peak = int(trainer.strategy.reduce(peak, reduce_op="max"))
                 if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
                     Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 

@@ -1,0 +1,218 @@
+"""The DDP example (examples/ddp): data, model, factory, and the multi_gpu search on 2 CPU ranks end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import optuna
+import psutil
+import pytest
+import torch
+import yaml
+from lightning.pytorch.strategies import DDPStrategy
+from optuna.trial import TrialState
+
+from autotune import load_plan
+from autotune._apply import find_blocks
+from autotune._cli import main as autotune
+from autotune._trial import TrialSpec, run_trial
+from autotune.callbacks import ElasticBatchSize
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp"
+CONFIG = EXAMPLE / "config.yaml"
+TARGET = f"{EXAMPLE / 'train.py'}:make"
+
+
+@pytest.fixture(scope="module")
+def train() -> ModuleType:
+    """``examples/ddp/train.py`` loaded by path, as ``autotune search examples/ddp/train.py:make`` would."""
+    spec = importlib.util.spec_from_file_location("ddp_example_train", EXAMPLE / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_batches_have_documented_shape_and_are_deterministic(train: ModuleType) -> None:
+    def first_batch(seed: int) -> list[torch.Tensor]:
+        dm = train.SyntheticClasses(features=8, batch_size=16, num_samples=64, val_samples=16, seed=seed)
+        dm.setup("fit")
+        return next(iter(dm.train_dataloader()))
+
+    x, y = first_batch(0)
+    assert x.shape == (16, 8) and x.dtype == torch.float32 and float(x.abs().max()) < 1.0  # tanh
+    assert y.shape == (16,) and y.dtype == torch.long and 0 <= int(y.min()) and int(y.max()) < 8
+    x2, y2 = first_batch(0)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = first_batch(1)
+    assert not torch.equal(x, x3)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "match"),
+    [
+        ("SyntheticClasses", {"batch_size": 0}, "`batch_size` must be an int >= 1; got 0"),
+        ("SyntheticClasses", {"separation": 0}, "`separation` must be a number > 0; got 0"),
+        ("MLPClassifier", {"depth": 0}, "`depth` must be an int >= 1; got 0"),
+        ("MLPClassifier", {"lr": -1.0}, "`lr` must be > 0; got -1.0"),
+    ],
+)
+def test_rejects_bad_arguments(train: ModuleType, make: str, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        getattr(train, make)(**kwargs)
+
+
+def test_make_matches_the_config_and_learns(train: ModuleType) -> None:
+    config = yaml.safe_load(CONFIG.read_text())
+    model, data = train.make()
+    for key, value in config["model"].items():
+        assert model.hparams[key] == value, key
+    for key, value in config["data"].items():
+        assert data.hparams[key] == value, key
+    trainer = config["trainer"]
+    assert (trainer["devices"], trainer["strategy"], trainer["accumulate_grad_batches"]) == (2, "ddp", 1)
+    assert find_blocks(model) == list(model.blocks)  # what activation checkpointing recomputes
+
+    torch.manual_seed(0)
+    data.setup("fit")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=model.hparams.lr)
+    losses = []
+    for batch, _ in zip(data.train_dataloader(), range(40)):
+        loss, _ = model.loss_and_accuracy(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(8), abs=0.3), losses  # an untrained model guesses uniformly
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # ~2.1 -> ~0.7 nats
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[optuna.trial.FrozenTrial]]:
+    """The README's search, smaller: 2 trials of 2 timed steps, each trial DDP on 2 CPU ranks."""
+    folder = tmp_path_factory.mktemp("ddp_search")
+    storage = f"sqlite:///{folder}/s.db"
+    out = folder / "tuned.yaml"
+    code = autotune(["search", TARGET, "--budget", "2GiB", "--space", "multi_gpu", "--devices", "2",
+                     "--device", "cpu", "--trials", "2", "--steps", "2", "--warmup", "1", "--seed", "0",
+                     "--storage", storage, "--study", "ddp", "--out", str(out), "--no-progress"])
+    return code, out, optuna.load_study(study_name="ddp", storage=storage).get_trials()
+
+
+@pytest.mark.slow
+def test_search_on_two_ranks_writes_a_ddp_plan(searched: tuple[int, Path, list[Any]]) -> None:
+    code, out, trials = searched
+    assert code == 0
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 2 and not [t for t in trials if t.state == TrialState.FAIL]
+    seed = finished[0]  # the multi_gpu space's seed is tried first
+    assert seed.state == TrialState.COMPLETE and seed.user_attrs["status"] == "ok"
+    assert (seed.params["strategy"], seed.params["precision"], seed.params["micro_batch_size"]) == \
+        ("ddp", "bf16-mixed", "auto")
+    for t in finished:
+        assert t.params["strategy"] == "ddp" and t.user_attrs["plan"].startswith("ddp, ")
+        assert t.user_attrs["source"] == "measured" and t.user_attrs["status"] in ("ok", "pruned")
+        assert t.user_attrs["samples_per_second"] > 0 and t.user_attrs["steps_timed"] >= 1
+        assert 0 < t.user_attrs["peak_bytes"] < 2 * 2**30  # the larger rank's peak RSS, under the budget
+
+    plan = load_plan(out)
+    assert plan.strategy == "ddp" and plan.budget == "2GiB"
+    assert plan.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
+    assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
+    assert plan.provenance.produced_by.startswith("search (study 'ddp'")
+    tuned = yaml.safe_load(out.read_text())
+    assert tuned["trainer"]["strategy"] == "ddp" and tuned["trainer"]["accumulate_grad_batches"] == 1
+
+
+@pytest.mark.slow
+def test_tuned_file_configures_ddp_on_two_cpu_ranks_through_the_cli(
+    train: ModuleType, searched: tuple[int, Path, list[Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's tuned run up to the launch (``run=False``): with ``strategy: ddp`` Lightning starts rank 1 by
+    running the script again, which an in-process test cannot let it do."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    _, out, _ = searched
+    cli = train.MLPCLI(
+        train.MLPClassifier, train.SyntheticClasses, run=False,
+        args=["--config", str(CONFIG), "--config", str(out), "--trainer.devices=2", "--trainer.strategy=ddp",
+              f"--trainer.default_root_dir={tmp_path}"],
+    )
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy, DDPStrategy) and type(trainer.strategy.launcher).__name__ == \
+        "_SubprocessScriptLauncher"  # strategy "ddp": the script is run again for rank 1
+    assert (trainer.num_devices, trainer.accelerator.__class__.__name__) == (2, "CPUAccelerator")
+    plan = load_plan(out)
+    (elastic,) = [cb for cb in trainer.callbacks if isinstance(cb, ElasticBatchSize)]
+    assert (elastic.micro_batch_size, str(elastic.budget)) == (plan.micro_batch_size, "2GiB")
+    assert trainer.precision == plan.precision and trainer.accumulate_grad_batches == 1
+
+
+@pytest.mark.slow
+def test_a_ddp_trial_past_its_timeout_is_killed_with_its_ranks() -> None:
+    """The timeout kills the trial process and the rank processes it forked, not the trial process alone."""
+    plan = {"strategy": "ddp", "micro_batch_size": 1, "activation_checkpointing": 1.0, "num_workers": 0}
+    spec = TrialSpec(target=TARGET, config=None, plan=plan, budget="2GiB", device="cpu", devices=2, steps=10_000,
+                     warmup=1)
+    seen: set[psutil.Process] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # the trial and its ranks: descendants of ours below the fork server
+        while not done.wait(0.2):
+            try:
+                seen.update(p for p in psutil.Process().children(recursive=True) if p.ppid() != os.getpid())
+            except psutil.NoSuchProcess:
+                pass
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = run_trial(spec, timeout=8)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.status == "error" and result.reason == "timed out after 8 s"
+    assert len(seen) >= 3  # the trial process and its 2 ranks were running
+    alive = [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
+@pytest.mark.parametrize("other_rank_slow", [False, True])
+def test_ranks_decide_together_to_stop_a_slow_trial(other_rank_slow: bool, tmp_path: Path) -> None:
+    """A trial stopped early stops on every rank: a rank that stopped alone would leave the other one waiting."""
+    from autotune._trial import _Meter
+
+    class Strategy:
+        def __init__(self) -> None:
+            self.votes: list[tuple[bool, bool]] = []
+
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+            self.votes.append((decision, all))
+            return decision or other_rank_slow  # any rank too slow: every rank stops
+
+    spec = TrialSpec(target=TARGET, config=None, plan={}, budget=None, device="cpu", devices=2, steps=3, warmup=1,
+                     stop_below=1.0)  # samples/s: this rank is far faster
+    meter = _Meter(spec=spec, batch_size=64, tokens_per_sample=None, launched=0.0, out=str(tmp_path / "r.json"))
+    trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=Strategy())
+    module = SimpleNamespace(device=torch.device("cpu"))
+    for step in (1, 2, 3):
+        trainer.global_step = step
+        meter.on_train_batch_end(trainer, module, None, None, step)
+    assert trainer.strategy.votes == [(False, False)]  # one vote, at the first step that may stop (2 timed steps)
+    assert trainer.should_stop is other_rank_slow and meter.pruned is other_rank_slow
