@@ -219,7 +219,7 @@ class ElasticEngine:
             # Recover outside the except block: its traceback holds the frames of the failed attempt.
             del cause
             optimizer.zero_grad(set_to_none=True)
-            release_memory(module.parameters(), self.device)
+            release_memory(module.parameters(), self.device, static_bytes=static)
             if failed_in == "update":
                 self.snapshot.restore()
             if scaler is not None:
