@@ -48,20 +48,22 @@ def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
 class LogBuffer:
     """Wraps a ``log`` function; between :meth:`start` and :meth:`flush` calls are recorded, not made."""
 
-    def __init__(self, log_fn: Callable[..., Any]) -> None:
+    def __init__(self, log_fn: Callable[..., Any], owner: Any = None) -> None:
         self.log_fn = log_fn
+        self.owner = owner  # the LightningModule: its current hook name is recorded with each call
         self._signature = inspect.signature(log_fn)
         self.active = False
         self.n = 1
-        self._records: dict[str, list[dict[str, Any]]] = {}
+        self._records: dict[tuple[Any, str], list[dict[str, Any]]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if not self.active:
             self.log_fn(*args, **kwargs)
             return
         arguments = dict(self._signature.bind(*args, **kwargs).arguments)
-        arguments["_weight"] = float(arguments.get("batch_size") or self.n)
-        self._records.setdefault(arguments["name"], []).append(arguments)
+        arguments["_n"] = self.n
+        fx = getattr(self.owner, "_current_fx_name", None)
+        self._records.setdefault((fx, arguments["name"]), []).append(arguments)
 
     def start(self) -> None:
         self.active = True
@@ -71,26 +73,30 @@ class LogBuffer:
         self.active = False
         self._records = {}
 
-    def flush(self, *, fx_owner: Any, fx_name: str | None) -> None:
-        """Make the recorded calls, one per key, as if from hook ``fx_name`` of ``fx_owner``."""
+    def flush(self) -> None:
+        """Make the recorded calls, one per key and hook, each from the hook that made it."""
         self.active = False
         records, self._records = self._records, {}
         if not records:
             return
-        previous = getattr(fx_owner, "_current_fx_name", None) if fx_owner is not None else None
-        if fx_owner is not None:
-            fx_owner._current_fx_name = fx_name
+        owner = self.owner
+        previous = getattr(owner, "_current_fx_name", None)
         try:
-            for calls in records.values():
-                arguments = dict(calls[-1])
-                weights = [c.pop("_weight") for c in calls]
-                arguments.pop("_weight", None)
+            for (fx, _), calls in records.items():
+                if owner is not None:
+                    owner._current_fx_name = fx
+                arguments = {k: v for k, v in calls[-1].items() if k != "_n"}
                 if len(calls) > 1:
+                    given = [c.get("batch_size") for c in calls]
+                    varying = None not in given and len(set(given)) > 1
+                    # A batch_size that varies is the user's weight (e.g. tokens); a constant one, or none, is not:
+                    # each micro-batch's value then counts by its samples.
+                    weights = [float(b) for b in given] if varying else [float(c["_n"]) for c in calls]
                     reduce_fx = arguments.get("reduce_fx", "mean")
                     arguments["value"] = _combine([c["value"] for c in calls], weights, reduce_fx)
-                    if any(c.get("batch_size") is not None for c in calls):
+                    if varying:
                         arguments["batch_size"] = int(sum(weights))
                 self.log_fn(**arguments)
         finally:
-            if fx_owner is not None:
-                fx_owner._current_fx_name = previous
+            if owner is not None:
+                owner._current_fx_name = previous

@@ -83,19 +83,29 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
+    import numpy.random as _np_random
+except ImportError:  # pragma: no cover
+    _np_random = None
+
+
 class RNGState:
-    """The random state that dropout and friends draw from, so a replay draws the same numbers."""
+    """The random state that dropout, augmentations and friends draw from (torch, CUDA, Python, NumPy), so a
+    replay draws the same numbers."""
 
     def __init__(self) -> None:
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.python = random.getstate()
+        self.numpy = _np_random.get_state() if _np_random is not None else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
         random.setstate(self.python)
+        if self.numpy is not None and _np_random is not None:
+            _np_random.set_state(self.numpy)
 
 
 class UpdateSnapshot:

@@ -38,6 +38,10 @@ def _info(msg: str) -> None:
     log.info(msg)
 
 
+_UNPROTECTED = ("Out of memory inside the optimizer update with protect_update=False: the update may be "
+                "half-applied and cannot be replayed. Use ElasticBatchSize(protect_update=True).")
+
+
 class _PeerOutOfMemory(RuntimeError):
     """Raised on ranks that did not run out of memory themselves when another rank did."""
 
@@ -83,13 +87,24 @@ class Agreement:
             return
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
         dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)  # a parameter used on any rank is reduced on all
+        used = [bool(u) for u in has_grad.tolist()]
+        failed = False
+        try:
+            for p, needed in zip(params, used):
+                if needed and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        except BaseException as exc:
+            if not is_oom_error(exc):
+                raise
+            failed = True
+        if self.any(failed):  # agree before the all-reduces, so no rank is left in one alone
+            raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else _PeerOutOfMemory(
+                "another rank ran out of memory in this step")
         world = dist.get_world_size()
         works = []
-        for p, used in zip(params, has_grad.tolist()):
-            if not used:
+        for p, needed in zip(params, used):
+            if not needed:
                 continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
             p.grad.div_(world)
             works.append(dist.all_reduce(p.grad, async_op=True))
         for work in works:
@@ -174,6 +189,8 @@ class ElasticEngine:
     ) -> Any:
         """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM."""
         n = self.batch_size
+        if self.agree.enabled:
+            self._check_same_split(n)
         if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
             return step(closure)
         if self.micro_batch_size is None:
@@ -186,6 +203,8 @@ class ElasticEngine:
         while True:
             micro = min(self.micro_batch_size, n)
             self.sizes = split_sizes(n, micro)
+            if replayed and self.agree.enabled:
+                self._check_same_split(n)
             self.phase = "closure"
             self.logs.start()
             failed_in = ""
@@ -203,10 +222,7 @@ class ElasticEngine:
                 if next_micro is None:
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, _PeerOutOfMemory)) from exc
                 if failed_in == "update" and not self.protect_update:
-                    raise OutOfMemoryAtMinimumError(
-                        "Out of memory inside the optimizer update with protect_update=False: the update may be "
-                        "half-applied and cannot be replayed. Use ElasticBatchSize(protect_update=True)."
-                    ) from exc
+                    raise OutOfMemoryAtMinimumError(_UNPROTECTED) from exc
                 cause = exc
             else:
                 if self.agree.enabled and self.agree.any(False):
@@ -214,6 +230,8 @@ class ElasticEngine:
                     next_micro = self._shrink(micro)
                     if next_micro is None:
                         raise self._floor_error(n, micro, failed_in, peer=True)
+                    if not self.protect_update:
+                        raise OutOfMemoryAtMinimumError(_UNPROTECTED + " (another rank ran out of memory in it)")
             if not failed_in:
                 break
             # Recover outside the except block: its traceback holds the frames of the failed attempt.
@@ -231,9 +249,20 @@ class ElasticEngine:
             self.micro_batch_size = next_micro
             replayed = True
             static = self.meter.start()
-        self.logs.flush(fx_owner=module, fx_name="training_step")
+        self.logs.flush()
         self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
+
+    def _check_same_split(self, n: int | None) -> None:
+        """Under DDP every rank must run as many micro-batches (each is followed by a vote): check it, together."""
+        count = len(split_sizes(n, min(self.micro_batch_size or n, n))) if n else 0
+        most, least = self.agree.max(float(count), float(-count))
+        if most != -least:
+            raise RuntimeError(
+                f"ElasticBatchSize: the ranks got batches of different sizes ({int(-least)} to {int(most)} "
+                "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler "
+                "pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler)."
+            )
 
     def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any) -> Callable[[], Any]:
         def run_micro_batches() -> Any:
@@ -264,8 +293,9 @@ class ElasticEngine:
 
     def _shrink(self, micro: int) -> int | None:
         """The micro-batch to replay with after an OOM at ``micro``; None when nothing smaller is allowed."""
-        if self.growing_from is not None:
+        if self.growing_from is not None and self.growing_from < micro:
             return self.growing_from
+        self.growing_from = None  # the grow did not apply to this (short) batch: an ordinary OOM
         if micro <= self.min_micro_batch_size:
             return None
         return max(self.min_micro_batch_size, micro // 2)
@@ -357,7 +387,7 @@ class ElasticEngine:
                     ) from exc
                 smaller = micro // 2
             else:
-                self.logs.flush(fx_owner=None, fx_name=None)
+                self.logs.flush()
                 return combine_outputs(outputs, sizes)
             outputs = []
             release_memory((), self.device)

@@ -110,7 +110,7 @@ def search(
     parsed_budget = Budget.parse(budget)
     _check_positive("trials", trials)
     _check_positive("steps", steps)
-    _check_positive("warmup", warmup, minimum=0)
+    _check_positive("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
     _check_positive("devices", devices)
     out_path = _check_out(out)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -146,7 +146,8 @@ def search(
             runner,
             n_trials=None,
             timeout=timeout,
-            callbacks=[optuna.study.MaxTrialsCallback(trials, states=_finished_states()), *callbacks],
+            callbacks=[optuna.study.MaxTrialsCallback(trials, states=_finished_states()), _StopOnFailures(trials),
+                       *callbacks],
             catch=(_TrialCrashed,),
         )
     best = _choose(the_study, runner, budget_bytes, parsed_budget)
@@ -211,6 +212,24 @@ def _stamp(study: Any, attrs: dict[str, Any]) -> None:
             study.set_user_attr(key, value)
 
 
+class _StopOnFailures:
+    """Stop a search whose trials keep failing (a broken target): after 5 failures in a row, or ``trials`` in all."""
+
+    def __init__(self, trials: int) -> None:
+        self.limit, self.in_a_row, self.total = trials, 0, 0
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        from optuna.trial import TrialState
+
+        failed = trial.state == TrialState.FAIL
+        self.in_a_row = self.in_a_row + 1 if failed else 0
+        self.total += int(failed)
+        if self.in_a_row >= 5 or self.total >= self.limit:
+            log.warning("autotune: stopping the search: %d trials failed (last: %s)", self.total,
+                        trial.user_attrs.get("reason", "see autotune report"))
+            study.stop()
+
+
 class _Objective:
     """One Optuna trial: suggest a plan, reuse a measurement of the same plan or run it, record the constraint."""
 
@@ -223,6 +242,20 @@ class _Objective:
         self.estimator = _Estimator(target_obj, device)
 
     def __call__(self, trial: Any) -> float:
+        import optuna
+
+        try:
+            return self._run(trial)
+        except (optuna.TrialPruned, _TrialCrashed):
+            raise
+        except Exception as err:  # anything else is this trial's failure, recorded with a constraint and a reason
+            reason = f"{type(err).__name__}: {' '.join(str(err).split())}"[:500]
+            trial.set_constraint("memory", 1.0)
+            trial.set_user_attr("status", "error")
+            trial.set_user_attr("reason", reason)
+            raise _TrialCrashed(reason) from err
+
+    def _run(self, trial: Any) -> float:
         import optuna
 
         trial.set_user_attr("worker", worker_id())
@@ -349,6 +382,10 @@ def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
             if t.user_attrs.get("peak_bytes")]
     head = f"no plan fits in {budget} ({format_bytes(budget_bytes)})"
     if not seen:
+        failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if failed:
+            last = failed[-1].user_attrs.get("reason", "no reason recorded")
+            return f"{head}; no trial measured a peak: {len(failed)} failed, the last with {last}"
         return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
     smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
     return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "

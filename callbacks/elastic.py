@@ -129,6 +129,7 @@ class ElasticBatchSize(Callback):
             world_size=trainer.world_size,
             log_fn=pl_module.log,
         )
+        self.engine.logs.owner = pl_module
         if self._pending_state is not None:
             self.engine.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -148,6 +148,18 @@ def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest
                storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
 
 
+def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    space = one_point_space(tmp_path, micro_batch_size=[8, 16])
+    code = main(["search", f"{FIXTURE}:make_broken", "--budget", "2GiB", "--space", space, "--trials", "20",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--steps", "1", "--warmup", "1", "--no-progress",
+                 "--out", str(tmp_path / "t.yaml")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no trial measured a peak: 5 failed, the last with RuntimeError: an unrelated bug in this plan" in err
+    trials = trials_of(f"sqlite:///{tmp_path}/s.db", optuna.get_all_study_names(f"sqlite:///{tmp_path}/s.db")[0])
+    assert [t.state for t in trials] == [TrialState.FAIL] * 5  # stopped after 5 failures in a row, not 20
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -159,6 +171,7 @@ def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest
         (["--out", "{missing}/t.yaml"], "--out '.*missing/t.yaml': folder '.*missing' does not exist"),
         (["--storage", "mysql:/x"], "storage 'mysql:/x' is not a storage URL; expected sqlite:///PATH"),
         (["--trials", "0"], "trials must be an int >= 1; got 0"),
+        (["--warmup", "0"], "warmup must be an int >= 1; got 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
