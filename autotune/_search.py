@@ -140,14 +140,12 @@ def search(
     runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                         budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
                         trial_timeout=trial_timeout)
-    remaining = trials - _finished(the_study)
-    if remaining > 0:
+    if _finished(the_study) < trials:
         the_study.optimize(
             runner,
             n_trials=None,
             timeout=timeout,
-            callbacks=[optuna.study.MaxTrialsCallback(trials, states=_finished_states()), _StopOnFailures(trials),
-                       *callbacks],
+            callbacks=[_MaxMeasured(trials), _StopOnFailures(trials), *callbacks],
             catch=(_TrialCrashed,),
         )
     best = _choose(the_study, runner, budget_bytes, parsed_budget)
@@ -172,7 +170,21 @@ def _finished_states() -> tuple[Any, ...]:
 
 
 def _finished(study: Any) -> int:
-    return len(study.get_trials(deepcopy=False, states=_finished_states()))
+    """Finished trials that measured or estimated a plan (a re-proposed plan served from the cache does not count)."""
+    return len([t for t in study.get_trials(deepcopy=False, states=_finished_states())
+                if t.user_attrs.get("source") != "cache"])
+
+
+class _MaxMeasured:
+    """Stop once the study has ``trials`` finished trials that were not cache hits; as a guard for a small space
+    that the sampler keeps re-proposing, also once it has three times as many trials of any kind."""
+
+    def __init__(self, trials: int) -> None:
+        self.trials = trials
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        if _finished(study) >= self.trials or len(study.get_trials(deepcopy=False)) >= 3 * self.trials:
+            study.stop()
 
 
 def _check_positive(name: str, value: Any, *, minimum: int = 1) -> None:
@@ -279,6 +291,8 @@ class _Objective:
                 return self._record(trial, result, source="estimate")
         result = run_trial(self._spec(plan, stop_below=self._stop_below(trial.study)), timeout=self.trial_timeout)
         value = self._record(trial, result, source="measured")
+        if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes):
+            self._auto_cache.clear()  # later 'auto' choices use the measured baseline
         if result.status == "pruned":
             raise optuna.TrialPruned(result.reason)
         if result.status == "error":
@@ -323,10 +337,11 @@ class _Objective:
     def _stop_below(self, study: Any) -> float | None:
         from optuna.trial import TrialState
 
-        feasible = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                    if t.value and t.user_attrs.get("status") == "ok"
-                    and t.user_attrs.get("peak_bytes", math.inf) <= self.budget_bytes]
-        return EARLY_STOP_SHARE * max(feasible) if feasible else None
+        feasible = sorted((t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                           if t.value and t.user_attrs.get("status") == "ok" and t.user_attrs.get("source") != "cache"
+                           and t.user_attrs.get("peak_bytes", math.inf) <= self.budget_bytes), reverse=True)
+        # The second best, not the best: one lucky measurement must not stop every trial after it.
+        return EARLY_STOP_SHARE * feasible[1] if len(feasible) >= 2 else None
 
     def _predict(self, plan: Plan) -> int | None:
         return self.estimator.peak(plan)
@@ -409,8 +424,25 @@ class _Estimator:
 
         self.target, self.device = target, device
         self.baseline = current_rss_bytes() if device.type != "cuda" else 0
+        self.calibrated = device.type == "cuda"  # on CPU, until a trial has measured the baseline
         self._batch: Any = None
         self._warned = False
+
+    def calibrate(self, plan: Plan, measured_peak: int) -> bool:
+        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
+        largest seen, so later choices err on the side of fitting). Returns whether the baseline changed."""
+        if self.device.type == "cuda":
+            return False
+        from autotune._estimate import estimate
+
+        predicted = self._call(estimate, plan=plan)
+        if predicted is _FAILED:
+            return False
+        baseline = measured_peak - predicted.predicted_peak_bytes
+        changed = not self.calibrated or baseline > self.baseline
+        if changed:
+            self.baseline, self.calibrated = baseline, True
+        return changed
 
     def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         from autotune._estimate import first_batch
@@ -433,7 +465,8 @@ class _Estimator:
         return None if result is _FAILED else result.predicted_peak_bytes + self.baseline
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
-        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
+        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails. On
+        CPU the baseline is this process's resident set until a trial has measured one (see :meth:`calibrate`)."""
         from autotune._estimate import max_micro_batch_size
 
         room = budget_bytes - self.baseline
