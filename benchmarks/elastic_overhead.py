@@ -1,0 +1,668 @@
+"""Runtime overhead of ``ElasticBatchSize`` against plain Lightning, measured side by side in one run.
+
+Four measurements on the example GPT (``examples/gpt``), each against its own baseline:
+
+1. no split: plain Lightning at batch N vs ``ElasticBatchSize(grow=False)`` at batch N (micro-batch N, no OOM);
+2. split k: Lightning's ``accumulate_grad_batches=k`` at batch N/k vs the callback with ``micro_batch_size=N/k``
+   on batch N;
+3. one OOM: ``torch.OutOfMemoryError`` raised once in forward (at the loss, after the logits are computed) when the
+   micro-batch is larger than N/2 at step S; its cost is the OOM step's extra time in units of a normal step;
+4. DDP: 2 processes (``strategy="ddp"``; gloo on CPU), native accumulation k vs the callback's split k. Each
+   configuration is a separate launch of this file in worker mode (``--ddp-worker CONFIG --out FILE``), because
+   Lightning's DDP launcher re-runs the script for rank 1.
+
+1 and 2 run with ``protect_update=True`` (the default) and ``False``. The configurations of one measurement are
+interleaved (repeat r fits them all, in an order rotated by r); a configuration's ms/step is the median of all its
+timed steps over all repeats and its ratio is that over the baseline's, with the range of the per-repeat ratios.
+Steps are timed by a small callback (``time.perf_counter``, after ``torch.cuda.synchronize()`` on CUDA) from the end
+of one optimizer step to the end of the next; warm-up steps are dropped. On CPU the same callback also takes the
+process's CPU time per step, a second figure that other processes sharing the cores barely move. Seeds are fixed.
+Single-process CPU runs use one torch thread (``--threads``), as each DDP rank does.
+
+After the table, extra runs (not in it) attribute the callback's time: its hooks, snapshot, meter and log buffer
+are wrapped with timers (CPU time of the training thread), ``release_memory`` is timed on the OOM step, and the DDP
+runs of the callback time its collectives. Results go to stdout (and ``--json PATH``) only.
+
+Usage::
+
+    python benchmarks/elastic_overhead.py --quick --device cpu      # under 4 minutes on a 2-core CPU
+    python benchmarks/elastic_overhead.py --device cuda --json elastic_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import datetime as dt
+import functools
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from typing_extensions import override
+
+ROOT = Path(__file__).resolve().parents[1]
+_GPT_DIR = str(ROOT / "examples" / "gpt")
+if _GPT_DIR not in sys.path:  # model.py and data.py import as train.py imports them
+    sys.path.insert(0, _GPT_DIR)
+
+from data import SyntheticTokens  # noqa: E402
+from model import GPT  # noqa: E402
+
+from autotune.callbacks import ElasticBatchSize  # noqa: E402
+
+#: The example GPT, sized so that a CPU step at batch ``N`` takes roughly 100 ms on one core of a 2-core VM.
+MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "dropout": 0.0, "lr": 3e-4, "warmup_steps": 2}
+VOCAB, BLOCK = 256, 64
+#: Effective batch N and the split k of measurements 2 and 4.
+BATCH, SPLIT = 32, 4
+#: Goals: the callback's time per step over its baseline's.
+GOAL_NO_SPLIT, GOAL_SPLIT = 1.01, 1.02
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How long to measure: steps per fit (the first ``warmup`` are not timed) and interleaved repeats."""
+
+    steps: int
+    warmup: int
+    repeats: int
+    ddp_steps: int
+    ddp_warmup: int
+    ddp_repeats: int
+
+    @property
+    def oom_step(self) -> int:
+        """The global step (0-based) whose first micro-batch runs out of memory in measurement 3."""
+        return self.warmup + 1
+
+
+QUICK = Sizing(steps=12, warmup=3, repeats=4, ddp_steps=8, ddp_warmup=3, ddp_repeats=2)
+FULL = Sizing(steps=30, warmup=5, repeats=7, ddp_steps=25, ddp_warmup=5, ddp_repeats=4)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration: the dataloader's batch (per rank), Lightning's accumulation, and the callback's settings."""
+
+    name: str
+    label: str
+    batch: int
+    accumulate: int = 1
+    elastic: bool = False
+    micro: int | None = None
+    protect: bool = True
+    oom: bool = False
+
+
+PLAIN = RunConfig("plain", f"plain Lightning, batch {BATCH}", BATCH)
+NO_SPLIT = [
+    PLAIN,
+    RunConfig("elastic", f"ElasticBatchSize, batch {BATCH} (micro {BATCH})", BATCH, elastic=True),
+    RunConfig("elastic_noprotect", f"ElasticBatchSize, batch {BATCH} (micro {BATCH}), protect_update=False", BATCH,
+              elastic=True, protect=False),
+]
+NATIVE = RunConfig("native_acc", f"Lightning accumulate_grad_batches={SPLIT}, batch {BATCH // SPLIT}",
+                   BATCH // SPLIT, accumulate=SPLIT)
+SPLIT_K = [
+    NATIVE,
+    RunConfig("elastic_split", f"ElasticBatchSize micro {BATCH // SPLIT}, batch {BATCH}", BATCH, elastic=True,
+              micro=BATCH // SPLIT),
+    RunConfig("elastic_split_noprotect", f"ElasticBatchSize micro {BATCH // SPLIT}, batch {BATCH}, "
+              "protect_update=False", BATCH, elastic=True, micro=BATCH // SPLIT, protect=False),
+]
+OOM = RunConfig("elastic_oom", f"ElasticBatchSize, batch {BATCH}, one OOM in forward (micro {BATCH} -> "
+                f"{BATCH // 2})", BATCH, elastic=True, oom=True)
+#: The DDP configuration whose runs also time the callback's collectives.
+ATTRIBUTED_DDP = "ddp_elastic_split"
+DDP = {c.name: replace(c, label="DDP x2: " + c.label) for c in (
+    RunConfig("ddp_native_acc", NATIVE.label, BATCH // SPLIT, accumulate=SPLIT),
+    RunConfig("ddp_elastic_split", SPLIT_K[1].label, BATCH, elastic=True, micro=BATCH // SPLIT),
+    RunConfig("ddp_elastic_split_noprotect", SPLIT_K[2].label, BATCH, elastic=True, micro=BATCH // SPLIT,
+              protect=False),
+)}
+
+
+class StepTimer(Callback):
+    """Seconds from the end of one optimizer step to the end of the next (the first from the start of training).
+
+    ``times`` is wall-clock time (``time.perf_counter``); ``cpu_times`` is this process's CPU time over the same
+    interval, which other processes on the machine barely change (meaningful on CPU only: GPU work is not in it).
+    """
+
+    def __init__(self, *, sync_cuda: bool) -> None:
+        self.sync_cuda = sync_cuda
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.marks: list[float] = []  # perf_counter at the end of each optimizer step
+        self._last = self._last_cpu = 0.0
+        self._step = 0
+
+    def _now(self) -> float:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step = trainer.global_step
+        self._last, self._last_cpu = self._now(), time.process_time()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._step:  # an accumulating batch: the optimizer has not stepped yet
+            return
+        now, cpu = self._now(), time.process_time()
+        self.times.append(now - self._last)
+        self.cpu_times.append(cpu - self._last_cpu)
+        self.marks.append(now)
+        self._last, self._last_cpu = now, cpu
+        self._step = trainer.global_step
+
+
+class OOMOnceGPT(GPT):
+    """The example GPT whose forward runs out of memory once: at step ``oom_step`` for micro-batches over ``above``.
+
+    The OOM is raised where the largest activation of a GPT forward is allocated, at the loss over the logits, after
+    the blocks and the LM head have run (their activations are held by the traceback, as with a real OOM).
+    """
+
+    oom_step: int = -1
+    above: int = 0
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.oom_step and batch[0].shape[0] > self.above:
+            logits = self(batch[0])
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {logits.numel() * 4 / 2**20:.0f} MiB (simulated at the loss)"
+            )
+        return super().training_step(batch, batch_idx)
+
+
+def _quiet() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "autotune"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+
+def fit_once(cfg: RunConfig, *, steps: int, accelerator: str, oom_step: int = -1, strategy: str = "auto",
+             devices: int = 1) -> tuple[StepTimer, ElasticBatchSize | None]:
+    """Train ``steps`` optimizer steps of ``cfg`` from fixed seeds; return the step timer and the callback."""
+    seed_everything(0, verbose=False)
+    world = devices if strategy == "ddp" else 1
+    data = SyntheticTokens(vocab_size=VOCAB, block_size=BLOCK, batch_size=cfg.batch, val_samples=1, seed=0,
+                           num_samples=cfg.batch * cfg.accumulate * steps * world, pin_memory=accelerator == "cuda")
+    model_cls = OOMOnceGPT if cfg.oom else GPT
+    model = model_cls(vocab_size=VOCAB, block_size=BLOCK, **MODEL)
+    if cfg.oom:
+        model.oom_step, model.above = oom_step, BATCH // 2
+    timer = StepTimer(sync_cuda=accelerator == "cuda")
+    elastic = ElasticBatchSize(grow=False, micro_batch_size=cfg.micro, protect_update=cfg.protect) if cfg.elastic \
+        else None
+    trainer = Trainer(
+        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
+        accumulate_grad_batches=cfg.accumulate, callbacks=[timer] + ([elastic] if elastic else []),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+    )
+    trainer.fit(model, data)
+    _check_run(cfg, trainer, timer, elastic, steps=steps, oom_step=oom_step)
+    return timer, elastic
+
+
+def _check_run(cfg: RunConfig, trainer: Trainer, timer: StepTimer, elastic: ElasticBatchSize | None, *, steps: int,
+               oom_step: int) -> None:
+    """Fail loudly when a run did not measure what it claims (a wrong split, a missing or extra OOM)."""
+    problems = []
+    if trainer.global_step != steps or len(timer.times) != steps:
+        problems.append(f"{trainer.global_step} steps and {len(timer.times)} timings, expected {steps}")
+    if elastic is not None:
+        want_micro = BATCH // 2 if cfg.oom else (cfg.micro or BATCH)
+        want_events = [("oom", oom_step, BATCH, BATCH // 2)] if cfg.oom else []
+        events = [(e.kind, e.step, e.previous, e.micro_batch_size) for e in elastic.events]
+        if elastic.micro_batch_size != want_micro or events != want_events:
+            problems.append(f"micro-batch {elastic.micro_batch_size} and events {events}, expected {want_micro} "
+                            f"and {want_events}")
+    if problems:
+        raise RuntimeError(f"benchmark run {cfg.name!r} went wrong: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+Runs = dict[str, dict[str, list[list[float]]]]  # configuration -> clock ("wall", "cpu") -> repeats -> step times
+CLOCKS = ("wall", "cpu")
+
+
+def summarize(runs: Runs, warmup: int, baseline: str) -> dict[str, dict[str, Any]]:
+    """Per configuration and clock: the median ms/step over all timed steps of all repeats, its ratio to the
+    baseline's, and the range of the per-repeat ratios (each repeat's median over the baseline's in that repeat)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, clocks in runs.items():
+        out[name] = {"timed_steps": sum(len(r[warmup:]) for r in clocks["wall"])}
+        for clock in CLOCKS:
+            timed = [r[warmup:] for r in clocks[clock]]
+            base = [r[warmup:] for r in runs[baseline][clock]]
+            per_repeat = [median(r) / median(b) for r, b in zip(timed, base)]
+            ms = 1e3 * median([t for r in timed for t in r])
+            out[name][clock] = {
+                "ms_per_step": ms,
+                "ratio": ms / (1e3 * median([t for r in base for t in r])),
+                "ratio_min": min(per_repeat),
+                "ratio_max": max(per_repeat),
+            }
+    return out
+
+
+def summarize_oom(clocks: dict[str, list[list[float]]], sizing: Sizing) -> dict[str, Any]:
+    """The OOM step against the same run's normal steps after it (at the replay's micro-batch, N/2), per clock."""
+    s = sizing.oom_step
+    out: dict[str, Any] = {"oom_step": s}
+    for clock in CLOCKS:
+        extra, normal_ms, oom_ms, before_ms = [], [], [], []
+        for times in clocks[clock]:
+            normal = median(times[s + 1:])
+            extra.append((times[s] - normal) / normal)
+            normal_ms.append(1e3 * normal)
+            oom_ms.append(1e3 * times[s])
+            before_ms.append(1e3 * median(times[sizing.warmup:s]))
+        out[clock] = {
+            "oom_step_ms": median(oom_ms),
+            "normal_ms": median(normal_ms),
+            "before_ms": median(before_ms),
+            "extra_steps": median(extra),
+            "extra_steps_min": min(extra),
+            "extra_steps_max": max(extra),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+Call = tuple[float, float, float]  # (perf_counter at the start, CPU seconds of the calling thread, wall seconds)
+
+
+@contextlib.contextmanager
+def timed_calls(targets: list[tuple[Any, str, str]]) -> Iterator[dict[str, list[Call]]]:
+    """Wrap ``owner.name`` for each ``(owner, name, label)`` and record its calls under ``label``; restore after."""
+    calls: dict[str, list[Call]] = {label: [] for _, _, label in targets}
+    saved = []
+    for owner, name, label in targets:
+        original = owner.__dict__[name]
+        saved.append((owner, name, original))
+        setattr(owner, name, _timed(original, calls[label]))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _timed(fn: Any, sink: list[Call]) -> Any:
+    @functools.wraps(fn)  # keeps the signature: LogBuffer binds the arguments of the log function it wraps
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append((start, time.thread_time() - cpu, time.perf_counter() - start))
+
+    return timed
+
+
+def per_step(calls: list[Call], marks: list[float], warmup: int, *, cpu: bool) -> dict[str, float]:
+    """Median over the timed steps of the time spent in ``calls`` started during the step, and calls per step."""
+    spent, count = [0.0] * len(marks), [0] * len(marks)
+    for start, cpu_s, wall_s in calls:
+        i = bisect.bisect_left(marks, start)
+        if i < len(marks):
+            spent[i] += cpu_s if cpu else wall_s
+            count[i] += 1
+    timed = range(warmup, len(marks))
+    return {"ms_per_step": 1e3 * median([spent[i] for i in timed]), "calls_per_step": median([count[i] for i in timed])}
+
+
+def attribute(sizing: Sizing, accelerator: str) -> dict[str, Any]:
+    """Where the callback's time goes, from extra runs that are not part of the table (CPU time of the thread)."""
+    from autotune import _logbuffer, _memory, _microbatch  # private: only to attribute the overhead
+
+    meter = "memory meter (MemoryMeter.start + peak)"
+    buffering = "log buffering (LogBuffer record + flush, incl. the model's own self.log)"
+    targets = [
+        (ElasticBatchSize, "on_train_batch_end", "callback metrics (on_train_batch_end: 4 self.log calls)"),
+        (_memory.UpdateSnapshot, "capture", "protect_update host snapshot (UpdateSnapshot.capture)"),
+        (_memory.MemoryMeter, "start", meter),
+        (_memory.MemoryMeter, "peak", meter),
+        (_memory.RNGState, "__init__", "RNG state capture (RNGState)"),
+        (_logbuffer.LogBuffer, "__call__", buffering),
+        (_logbuffer.LogBuffer, "flush", buffering),
+    ]
+    out: dict[str, Any] = {}
+    with timed_calls(targets) as calls:
+        timer, _ = fit_once(NO_SPLIT[1], steps=sizing.steps, accelerator=accelerator)
+    out["per_step"] = {label: per_step(c, timer.marks, sizing.warmup, cpu=True) for label, c in calls.items()}
+    with timed_calls([(LightningModule, "log", "log")]) as calls:
+        fit_once(PLAIN, steps=sizing.steps, accelerator=accelerator)
+    out["log_call_ms"] = 1e3 * median([cpu_s for _, cpu_s, _ in calls["log"][sizing.warmup:]])
+    with timed_calls([(_microbatch, "release_memory", "release")]) as calls:
+        timer, _ = fit_once(OOM, steps=sizing.steps, accelerator=accelerator, oom_step=sizing.oom_step)
+    out["release_memory_ms"] = 1e3 * calls["release"][0][2]
+    out["release_memory_cpu_ms"] = 1e3 * calls["release"][0][1]
+    out["gc_objects"] = len(gc.get_objects())
+    params = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=BLOCK, **MODEL).parameters())
+    out["snapshot_mib"] = 3 * 4 * params / 2**20  # fp32 parameters, exp_avg and exp_avg_sq
+    out["params"] = params
+    return out
+
+
+def ddp_targets() -> list[tuple[Any, str, str]]:
+    from autotune import _microbatch  # private: only to attribute the overhead
+
+    return [
+        (_microbatch.Agreement, "any", "OOM votes (Agreement.any: after each micro-batch and the update)"),
+        (_microbatch.Agreement, "average_gradients", "gradient all-reduce (Agreement.average_gradients)"),
+        (torch.distributed, "all_reduce", "torch.distributed.all_reduce calls (all of them)"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+def interleave(configs: list[RunConfig], sizing: Sizing, accelerator: str) -> Runs:
+    """Repeat r fits every configuration once, in an order rotated by r."""
+    runs: Runs = {c.name: {clock: [] for clock in CLOCKS} for c in configs}
+    for r in range(sizing.repeats):
+        for cfg in configs[r % len(configs):] + configs[: r % len(configs)]:
+            timer, _ = fit_once(cfg, steps=sizing.steps, accelerator=accelerator, oom_step=sizing.oom_step)
+            runs[cfg.name]["wall"].append(timer.times)
+            runs[cfg.name]["cpu"].append(timer.cpu_times)
+            gc.collect()
+            if accelerator == "cuda":
+                torch.cuda.empty_cache()
+    return runs
+
+
+def ddp_accelerator(device: str) -> str:
+    """DDP runs on 2 GPUs when there are 2, else on 2 CPU processes (gloo)."""
+    return "cuda" if device == "cuda" and torch.cuda.device_count() >= 2 else "cpu"
+
+
+def run_ddp(sizing: Sizing, device: str, quick: bool) -> tuple[Runs, dict[str, Any]]:
+    """Each configuration in its own launch of this file in worker mode; rank 0's step times come back as JSON."""
+    configs = list(DDP)
+    runs: Runs = {name: {clock: [] for clock in CLOCKS} for name in configs}
+    attributions: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="elastic_overhead_") as tmp:
+        for r in range(sizing.ddp_repeats):
+            for name in configs[r % len(configs):] + configs[: r % len(configs)]:
+                out = Path(tmp) / f"{name}_{r}.json"
+                _launch_worker(name, out, device, quick)
+                result = json.loads(out.read_text())
+                runs[name]["wall"].append(result["times_s"])
+                runs[name]["cpu"].append(result["cpu_times_s"])
+                if name == ATTRIBUTED_DDP:
+                    attributions.append(result["attribution"])
+    attribution = {label: {key: median([a[label][key] for a in attributions]) for key in attributions[0][label]}
+                   for label in attributions[0]}
+    return runs, attribution
+
+
+def _launch_worker(name: str, out: Path, device: str, quick: bool) -> None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--ddp-worker", name, "--out", str(out), "--device", device,
+           *(["--quick"] if quick else [])]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"DDP worker {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def ddp_worker(name: str, out: Path, sizing: Sizing, device: str) -> None:
+    """One DDP configuration, 2 processes; Lightning re-runs this command for rank 1. Each rank writes its times.
+
+    The runs of :data:`ATTRIBUTED_DDP` also time the callback's collectives (a few microseconds of wrapping per call).
+    """
+    attribute_calls = name == ATTRIBUTED_DDP
+    accelerator = ddp_accelerator(device)
+    if accelerator == "cpu":
+        torch.set_num_threads(1)  # 2 processes on the cores there are; 1 thread each, as torchrun defaults to
+    cfg = DDP[name]
+    with timed_calls(ddp_targets() if attribute_calls else []) as calls:
+        timer, _ = fit_once(cfg, steps=sizing.ddp_steps, accelerator=accelerator, strategy="ddp", devices=2)
+    result: dict[str, Any] = {"config": name, "times_s": timer.times, "cpu_times_s": timer.cpu_times}
+    if attribute_calls:
+        result["attribution"] = {label: per_step(c, timer.marks, sizing.ddp_warmup, cpu=False)
+                                 for label, c in calls.items()}
+        result["attribution"]["step"] = {"ms_per_step": 1e3 * median(timer.times[sizing.ddp_warmup:])}
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    path = out if rank == 0 else out.with_name(f"{out.name}.rank{rank}")
+    path.write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------------- reporting
+def machine(device: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    return info
+
+
+def _ratio(c: dict[str, float]) -> str:
+    return f"{c['ratio']:.3f} ({c['ratio_min']:.3f}-{c['ratio_max']:.3f})"
+
+
+def _met(c: dict[str, float], goal: float) -> str:
+    return "yes" if c["ratio"] <= goal else "no"
+
+
+def table_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Rows of the table; the CPU-time columns only for single-process runs on CPU (GPU work is not CPU time)."""
+    rows = []
+    cpu_clock = results["device"] == "cpu"
+
+    def add(section: str, configs: list[RunConfig], summary: dict[str, Any], baseline: str, goal: float | None,
+            show_cpu: bool) -> None:
+        base = summary[baseline]
+        for cfg in configs:
+            wall, cpu = summary[cfg.name]["wall"], summary[cfg.name]["cpu"]
+            row = [section, cfg.label, f"{wall['ms_per_step']:.1f}"]
+            if cfg.name == baseline:
+                row += ["", "1 (baseline)"] + ([f"{cpu['ms_per_step']:.1f}", "1 (baseline)"] if show_cpu else
+                                                ["-", "-"]) + ["", ""]
+            else:
+                row += [f"{wall['ms_per_step'] - base['wall']['ms_per_step']:+.1f}", _ratio(wall)]
+                row += [f"{cpu['ms_per_step']:.1f}", _ratio(cpu)] if show_cpu else ["-", "-"]
+                row.append(f"<= {goal:.2f}" if goal else "report")
+                row.append((_met(wall, goal) + (f" / {_met(cpu, goal)}" if show_cpu else "")) if goal else "")
+            rows.append(row)
+
+    add("1 no split", NO_SPLIT, results["no_split"], PLAIN.name, GOAL_NO_SPLIT, cpu_clock)
+    add(f"2 split {SPLIT}", SPLIT_K, results["split"], NATIVE.name, GOAL_SPLIT, cpu_clock)
+    o = results["oom"]
+    w, c = o["wall"], o["cpu"]
+    rows.append(["3 one OOM", f"{OOM.label}: normal step after it", f"{w['normal_ms']:.1f}", "", "1 (baseline)"]
+                + ([f"{c['normal_ms']:.1f}", "1 (baseline)"] if cpu_clock else ["-", "-"]) + ["", ""])
+    rows.append(["3 one OOM", f"{OOM.label}: the OOM step (step {o['oom_step']})", f"{w['oom_step_ms']:.1f}",
+                 f"{w['oom_step_ms'] - w['normal_ms']:+.1f}", _oom_ratio(w)]
+                + ([f"{c['oom_step_ms']:.1f}", _oom_ratio(c)] if cpu_clock else ["-", "-"]) + ["report", ""])
+    if "ddp" in results:  # CPU time leaves out the waits for the other rank: wall time only
+        add(f"4 DDP split {SPLIT}", list(DDP.values()), results["ddp"], "ddp_native_acc", None, False)
+    return rows
+
+
+def _oom_ratio(c: dict[str, float]) -> str:
+    return f"{1 + c['extra_steps']:.2f} ({1 + c['extra_steps_min']:.2f}-{1 + c['extra_steps_max']:.2f})"
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    header = ["measurement", "configuration", "ms/step (median)", "delta ms", "ratio (range over repeats)",
+              "CPU ms/step", "CPU ratio (range)", "goal", "met? (wall / CPU)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def report(results: dict[str, Any]) -> str:
+    m, s, o, a = results["machine"], results["sizing"], results["oom"], results["attribution"]
+    load = f"load average {_load(m['load_avg_at_start'])} at start, {_load(results['load_avg_at_end'])} at end"
+    clocks = ("wall", "cpu") if results["device"] == "cpu" else ("wall",)
+    lines = [
+        "## Elastic runtime overhead",
+        "",
+        f"command: `{results['command']}`",
+        f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
+        + (f", GPU {m['gpu']}" if m["gpu"] else "") + f"; python {m['python']}, torch {m['torch']}, "
+        f"lightning {m['lightning']}; {m['date']}; {load}",
+        f"model: example GPT {_kv(results['model'])}, vocab {VOCAB}, block {BLOCK} ({a['params']:,} parameters); "
+        f"N = {BATCH}, k = {SPLIT}; device {results['device']}; {s['steps']} steps per fit ({s['warmup']} warm-up), "
+        f"{s['repeats']} interleaved repeats"
+        + (f"; DDP: 2 {results['ddp_accelerator']} processes, {s['ddp_steps']} steps ({s['ddp_warmup']} warm-up), "
+           f"{s['ddp_repeats']} repeats" if "ddp" in results else ""),
+        "ms/step: median over all timed steps of all repeats; ratio: over the baseline's median, with the range of "
+        "per-repeat ratios; CPU: the process's CPU time per step (on CPU only), which other processes on the machine "
+        "barely change.",
+        "",
+        markdown_table(table_rows(results)),
+        "",
+    ]
+    for clock in clocks:
+        c = o[clock]
+        lines.append(
+            f"1 OOM costs {c['extra_steps']:.2f} extra steps by {clock} time (range {c['extra_steps_min']:.2f}-"
+            f"{c['extra_steps_max']:.2f}): the OOM step took {c['oom_step_ms']:.1f} ms against {c['normal_ms']:.1f} ms "
+            f"for a normal step after it (micro {BATCH // 2}) and {c['before_ms']:.1f} ms before it (micro {BATCH})."
+        )
+    lines.append(f"release_memory on the OOM step (gc.collect over {a['gc_objects']:,} live objects), in an extra "
+                 f"run: {a['release_memory_ms']:.1f} ms wall, {a['release_memory_cpu_ms']:.1f} ms CPU.")
+    for clock in clocks:
+        for key, goal, number in (("no_split", GOAL_NO_SPLIT, 1), ("split", GOAL_SPLIT, 2)):
+            for cfg, summary in results[key].items():
+                ratio = summary[clock]["ratio"]
+                if cfg not in (PLAIN.name, NATIVE.name) and ratio > goal:
+                    lines.append(f"goal missed ({clock} time): measurement {number}, {cfg}: {ratio:.3f} > {goal:.2f}")
+    plain_ms = results["no_split"][PLAIN.name][clocks[-1]]["ms_per_step"]
+    lines += ["", f"Where the callback's time goes (extra run at micro {BATCH}, protect_update=True; CPU time of the "
+              f"training thread, median per step; a plain step is {plain_ms:.1f} ms {clocks[-1]}):", ""]
+    for label, v in a["per_step"].items():
+        lines.append(f"- {label}: {v['ms_per_step']:.2f} ms ({100 * v['ms_per_step'] / plain_ms:.1f}%), "
+                     f"{v['calls_per_step']:g} calls")
+    lines.append(f"- for scale, one LightningModule.log call: {a['log_call_ms']:.2f} ms; the snapshot copies "
+                 f"{a['snapshot_mib']:.1f} MiB (fp32 parameters, exp_avg, exp_avg_sq)")
+    if "ddp_attribution" in results:
+        d = dict(results["ddp_attribution"])
+        step = d.pop("step")["ms_per_step"]
+        lines += ["", f"DDP, ElasticBatchSize micro {BATCH // SPLIT}, protect_update=True (rank 0, wall time, median "
+                  f"per step over its runs; its step: {step:.1f} ms):", ""]
+        lines += [f"- {label}: {v['ms_per_step']:.2f} ms, {v['calls_per_step']:g} calls" for label, v in d.items()]
+    lines += ["", f"wall time: {results['wall_s']:.0f} s ("
+              + ", ".join(f"{k} {v:.0f} s" for k, v in results["phase_s"].items()) + ")"]
+    return "\n".join(lines)
+
+
+def _load(avg: Any) -> str:
+    return "/".join(f"{x:.2f}" for x in avg) if avg else "n/a"
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats (< 4 min on a 2-core CPU)")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, help="also write the raw timings and the summary here")
+    parser.add_argument("--skip-ddp", action="store_true", help="leave out measurement 4")
+    parser.add_argument("--ddp-worker", choices=sorted(DDP), help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the single-process runs (default: 1 on CPU, torch's default on CUDA); "
+                             "DDP on CPU always runs 2 processes of 1 thread")
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available; use --device cpu")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be a positive int; got {args.threads}")
+    if args.ddp_worker and args.out is None:
+        parser.error("--ddp-worker needs --out FILE")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _quiet()
+    sizing = QUICK if args.quick else FULL
+    if args.ddp_worker:
+        ddp_worker(args.ddp_worker, args.out, sizing, args.device)
+        return 0
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    if threads:  # one thread: steadier when other processes share the cores, and no idle OpenMP spinning
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/elastic_overhead.py"] + sys.argv[1:]),
+        "machine": machine(args.device),
+        "device": args.device,
+        "model": MODEL,
+        "sizing": asdict(sizing),
+    }
+    raw: dict[str, Any] = {}
+    phases = results["phase_s"] = {}
+    raw["no_split"] = interleave(NO_SPLIT + [OOM], sizing, args.device)  # the OOM run has batch N too
+    raw["oom"] = raw["no_split"].pop(OOM.name)
+    results["no_split"] = summarize(raw["no_split"], sizing.warmup, PLAIN.name)
+    raw["split"] = interleave(SPLIT_K, sizing, args.device)
+    results["split"] = summarize(raw["split"], sizing.warmup, NATIVE.name)
+    phases["single_process"] = time.perf_counter() - start
+    results["oom"] = summarize_oom(raw["oom"], sizing)
+    if not args.skip_ddp:
+        results["ddp_accelerator"] = ddp_accelerator(args.device)
+        raw["ddp"], results["ddp_attribution"] = run_ddp(sizing, args.device, args.quick)
+        results["ddp"] = summarize(raw["ddp"], sizing.ddp_warmup, "ddp_native_acc")
+        phases["ddp"] = time.perf_counter() - start - phases["single_process"]
+    results["attribution"] = attribute(sizing, args.device)
+    results["load_avg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results["wall_s"] = time.perf_counter() - start
+    print(report(results))
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "raw_step_times_s": raw}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
