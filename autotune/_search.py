@@ -145,7 +145,7 @@ def search(
             runner,
             n_trials=None,
             timeout=timeout,
-            callbacks=[_MaxMeasured(trials), _StopOnFailures(trials), *callbacks],
+            callbacks=[_MaxMeasured(trials, space_obj.size()), _StopOnFailures(trials), *callbacks],
             catch=(_TrialCrashed,),
         )
     best = _choose(the_study, runner, budget_bytes, parsed_budget)
@@ -176,14 +176,19 @@ def _finished(study: Any) -> int:
 
 
 class _MaxMeasured:
-    """Stop once the study has ``trials`` finished trials that were not cache hits; as a guard for a small space
-    that the sampler keeps re-proposing, also once it has three times as many trials of any kind."""
+    """Stop once the study has ``trials`` finished trials that were not cache hits, or has measured every point of
+    the space; as a guard for a small space the sampler keeps re-proposing, also at three times ``trials`` in all."""
 
-    def __init__(self, trials: int) -> None:
-        self.trials = trials
+    def __init__(self, trials: int, space_size: int) -> None:
+        self.trials, self.space_size = trials, space_size
 
     def __call__(self, study: Any, trial: Any) -> None:
-        if _finished(study) >= self.trials or len(study.get_trials(deepcopy=False)) >= 3 * self.trials:
+        from optuna.trial import TrialState
+
+        measured = {t.user_attrs.get("plan") for t in study.get_trials(deepcopy=False, states=_finished_states())
+                    if t.user_attrs.get("source") != "cache"}
+        everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
+        if _finished(study) >= self.trials or len(measured) >= self.space_size or everything >= 3 * self.trials:
             study.stop()
 
 

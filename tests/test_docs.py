@@ -40,10 +40,12 @@ def test_the_docs_show_commands() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", [p for p in DOCS if commands(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_doc_commands_run(doc: Path, tmp_path: Path) -> None:
-    for name in ("examples", "tests"):
+    for name in ("examples", "tests", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for command in commands(doc):
+        if command.startswith("python benchmarks/"):
+            command += " --help"  # a benchmark run takes minutes: check that the script and its options are there
         if "postgresql://" in command:
             if POSTGRES is None:
                 continue  # needs a server; .ci/run starts one
