@@ -45,6 +45,9 @@ _UNPROTECTED = ("Out of memory inside the optimizer update with protect_update=F
 class _PeerOutOfMemory(RuntimeError):
     """Raised on ranks that did not run out of memory themselves when another rank did."""
 
+    def __init__(self) -> None:
+        super().__init__("another rank ran out of memory in this step")
+
 
 @dataclass(frozen=True)
 class ElasticEvent:
@@ -98,8 +101,7 @@ class Agreement:
                 raise
             failed = True
         if self.any(failed):  # agree before the all-reduces, so no rank is left in one alone
-            raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else _PeerOutOfMemory(
-                "another rank ran out of memory in this step")
+            raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else _PeerOutOfMemory()
         world = dist.get_world_size()
         works = []
         for p, needed in zip(params, used):
@@ -279,7 +281,7 @@ class ElasticEngine:
                         self.agree.any(True)  # tell the peers before leaving
                     raise
                 if self.agree.enabled and self.agree.any(False):
-                    raise _PeerOutOfMemory("another rank ran out of memory in this step")
+                    raise _PeerOutOfMemory()
                 if loss is not None:
                     total = loss if total is None else total + loss
             self.agree.average_gradients([p for p in module.parameters() if p.requires_grad])
