@@ -10,7 +10,9 @@ those at that moment. CPU convolutions add their kernels' work buffers (:func:`_
 allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces (:func:`cuda_overhead_bytes`; the CUDA
 context is outside ``max_memory_allocated``), plus DDP's gradient buckets under ``strategy="ddp"``. Offloaded
 activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu`` keeps a tensor where it is, so offload
-saves nothing there. ``compile`` is not traced: the estimate is the eager step.
+saves nothing there. Under ``optimizer_offload`` the update of the parameters torchao offloads runs on the host:
+the device keeps their gradients, the host their pinned copies, gradients and optimizer state (``host_bytes``).
+``compile`` is not traced: the estimate is the eager step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from autotune._apply import checkpoint_blocks, offload_activations, select_blocks
 from autotune._batch import batch_size_of, slice_batch
 from autotune._budget import Budget, BudgetSpec
+from autotune._offload import constructor_defaults, device_part, hyperparameters, is_offloaded
 from autotune._plan import Plan
 from autotune._probe import DeviceSpec, probe_memory, resolve_device
 
@@ -72,7 +75,8 @@ class Estimate:
         temporaries_bytes: Other tensors made in the backward and the update, and kernels' work buffers.
         overhead_bytes: What the runtime holds besides tensors and counts in its peak (see the module notes).
         predicted_peak_bytes: The peak: the sum of the six categories.
-        host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations); 0 on the CPU.
+        host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations, and the copies and
+            optimizer state of ``optimizer_offload``); 0 on the CPU.
 
     Example:
         >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
@@ -262,6 +266,9 @@ class _Traces:
             raise ValueError("batch holds no tensor with a batch dimension; the estimator needs a training batch")
         self.model, self.batch, self.plan, self.optimizer, self.size = model, batch, plan, optimizer, size
         self.device = resolve_device(device)
+        if plan.optimizer_offload and self.device.type != "cuda":
+            raise ValueError("optimizer_offload moves optimizer state from a CUDA GPU to the host; estimate it for a "
+                             "CUDA device, or set optimizer_offload=False")
         self._done: dict[int, Estimate] = {}
 
     def at(self, micro: int) -> Estimate:
@@ -309,6 +316,10 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
         if plan.activation_checkpointing:
             checkpoint_blocks(select_blocks(fake, plan.activation_checkpointing))
         optimizers = _optimizers(fake, traces.optimizer, device)
+        offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
+        host_bytes = _offloaded_host_bytes(optimizers) if offloaded else 0
+        if offloaded:  # the device runs the update of the small parameters only
+            optimizers = _like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
         inputs, input_tensors = _fake_batch(mode, part, device, precision)
 
         def step(*, zero_grad: bool) -> None:  # forward (last gradients alive), zero_grad, backward, update
@@ -318,6 +329,8 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
                 if zero_grad:
                     for opt in optimizers:
                         opt.zero_grad(set_to_none=True)
+                    for p in offloaded:
+                        p.grad = None
                 loss.backward()
             del loss
             for opt in optimizers:
@@ -339,7 +352,7 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
         trained = (p for p in fake.parameters() if p.requires_grad)
         ddp_bytes = _bytes_of(trained, device) if plan.strategy == "ddp" else 0  # DDP's buckets: one more gradient
     return _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
-                          state_bytes=state_bytes, extra_overhead=ddp_bytes)
+                          state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
 
 
 def _step_tracker() -> Any:
@@ -393,7 +406,7 @@ def _cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
 
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
-                   device: torch.device, state_bytes: int, extra_overhead: int) -> Estimate:
+                   device: torch.device, state_bytes: int, extra_overhead: int, extra_host: int) -> Estimate:
     from torch.distributed._tools.mem_tracker import _MemRefType as Ref
 
     here: Mapping[Any, int] = next((snap for dev, snap in snapshot.items() if dev.type == device.type), {})
@@ -410,7 +423,7 @@ def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.d
         "overhead_bytes": extra_overhead + (cuda_overhead_bytes(device) if device.type == "cuda" else 0),
     }
     return Estimate(plan=plan.replace(micro_batch_size=micro), micro_batch_size=micro, device=str(device),
-                    predicted_peak_bytes=sum(parts.values()), host_bytes=host, **parts)
+                    predicted_peak_bytes=sum(parts.values()), host_bytes=host + extra_host, **parts)
 
 
 def _convert(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
@@ -460,11 +473,36 @@ def _optimizers(model: LightningModule, factory: OptimizerFactory | None, device
         optimizers = [getattr(opt, "optimizer", opt) for opt in _configure_optimizers(config)[0]]
     if not optimizers:
         raise ValueError(f"{type(model).__name__}.configure_optimizers() returned no optimizer; nothing to estimate")
-    for opt in optimizers:  # torch picks foreach for real CUDA tensors, not for fake ones: pick what a run would
+    return _like_cuda_run(optimizers, device)
+
+
+def _like_cuda_run(optimizers: list[Any], device: torch.device) -> list[Any]:
+    """torch picks foreach for real CUDA tensors, not for fake ones: pick what a run would."""
+    for opt in optimizers:
         for group in opt.param_groups:
             if device.type == "cuda" and "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = True
     return optimizers
+
+
+def _offloaded_host_bytes(optimizers: list[Any]) -> int:
+    """Host bytes of ``optimizer_offload``: pinned copies of each offloaded parameter and its gradient, and the
+    optimizer state of the host-side update (made by one update of fake host copies)."""
+    total = 0
+    for opt in optimizers:
+        groups = []
+        for group in opt.param_groups:
+            host = [nn.Parameter(torch.empty_like(p, device="cpu")) for p in group["params"] if is_offloaded(p)]
+            for h in host:
+                h.grad = torch.empty_like(h)
+            if host:
+                groups.append({**hyperparameters(group), "params": host})
+                total += 2 * _bytes_of(host, torch.device("cpu"))
+        if groups:
+            host_opt = type(opt)(groups, **constructor_defaults(opt))
+            host_opt.step()
+            total += _bytes_of((t for s in host_opt.state.values() for t in s.values()), torch.device("cpu"))
+    return total
 
 
 def _fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> tuple[Any, list[torch.Tensor]]:

@@ -74,6 +74,8 @@ class Plan:
         activation_checkpointing: the fraction in [0, 1] of the model's repeated blocks to checkpoint, or the
             class names of the modules to checkpoint.
         activation_offload: keep the tensors saved for backward on the host (``save_on_cpu``).
+        optimizer_offload: keep the optimizer state on the host and run the update on the CPU (torchao's
+            ``CPUOffloadOptimizer``; one CUDA GPU, ``pip install 'lightning-autotune[offload]'``).
         compile: compile each repeated block with ``torch.compile`` (regional compilation).
         expandable_segments: CUDA allocator setting ``expandable_segments:True``; must be set before CUDA starts.
         num_workers: DataModule ``num_workers`` (None: leave as is).
@@ -95,6 +97,7 @@ class Plan:
     budget: str | None = None
     activation_checkpointing: float | tuple[str, ...] = 0.0
     activation_offload: bool = False
+    optimizer_offload: bool = False
     compile: bool = False
     expandable_segments: bool = False
     num_workers: int | None = None
@@ -141,6 +144,7 @@ class Plan:
         return {
             "activation_checkpointing": list(checkpointing) if isinstance(checkpointing, tuple) else checkpointing,
             "activation_offload": self.activation_offload,
+            "optimizer_offload": self.optimizer_offload,
             "compile": self.compile,
             "expandable_segments": self.expandable_segments,
             "num_workers": self.num_workers,
@@ -166,7 +170,7 @@ class Plan:
         ckpt = self.activation_checkpointing
         if ckpt:
             parts.append(f"ckpt {ckpt if not isinstance(ckpt, tuple) else '+'.join(ckpt)}")
-        for flag in ("activation_offload", "compile", "expandable_segments"):
+        for flag in ("activation_offload", "optimizer_offload", "compile", "expandable_segments"):
             if getattr(self, flag):
                 parts.append(flag.replace("activation_", "").replace("_", "-"))
         if self.num_workers is not None:
@@ -197,9 +201,11 @@ def plan_problems(plan: Plan) -> list[str]:
             problems.append(f"activation_checkpointing class names must be identifiers; got {list(ckpt)!r}")
     elif isinstance(ckpt, bool) or not isinstance(ckpt, (int, float)) or not 0 <= ckpt <= 1 or math.isnan(ckpt):
         problems.append(f"activation_checkpointing must be a fraction in [0, 1] or a list of class names; got {ckpt!r}")
-    for flag in ("activation_offload", "compile", "expandable_segments"):
+    for flag in ("activation_offload", "optimizer_offload", "compile", "expandable_segments"):
         if not isinstance(getattr(plan, flag), bool):
             problems.append(f"{flag} must be true or false; got {getattr(plan, flag)!r}")
+    if plan.optimizer_offload is True and plan.strategy != "auto":
+        problems.append(f"optimizer_offload runs on one GPU; it cannot be combined with strategy {plan.strategy!r}")
     workers = plan.num_workers
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         problems.append(f"num_workers must be an int >= 0 or None; got {workers!r}")

@@ -28,6 +28,7 @@ _COMMENTS = {
     "micro_batch_size": "samples per forward/backward; the effective batch is the dataloader's",
     "activation_checkpointing": "share of repeated blocks recomputed in backward: less memory, more compute",
     "activation_offload": "keep saved activations on the host during backward: less device memory, more copies",
+    "optimizer_offload": "optimizer state on the host, update on the CPU (torchao): less device memory, slower steps",
     "compile": "torch.compile each repeated block: faster steps after a one-time compile",
     "expandable_segments": "CUDA allocator grows segments in place: less fragmentation",
     "num_workers": "DataModule dataloader worker processes (null: the DataModule's own)",

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import importlib.util
 import itertools
 import json
 import platform
@@ -59,6 +60,7 @@ from autotune import Plan, probe_memory  # noqa: E402
 from autotune._apply import checkpoint_blocks, offload_activations, select_blocks  # noqa: E402
 from autotune._batch import batch_size_of, slice_batch  # noqa: E402
 from autotune._estimate import estimate  # noqa: E402
+from autotune._offload import OffloadedOptimizer  # noqa: E402
 
 #: The models measured: three sizes of the example GPT (the first is ``examples/gpt/train.py:make``), an MLP of
 #: residual blocks and a small CNN with BatchNorm. Each batch holds 16 samples.
@@ -153,11 +155,14 @@ def build(name: str, *, batch_size: int = BATCH) -> tuple[LightningModule, Any]:
     raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
 
 
-def plans(*, quick: bool = False) -> list[Plan]:
-    """The plans measured: precision x checkpointing x offload x micro-batch (fewer with ``quick``)."""
+def plans(*, quick: bool = False, device: str = "cpu") -> list[Plan]:
+    """The plans measured: precision x checkpointing x activation offload x micro-batch (fewer with ``quick``),
+    and on CUDA with torchao each precision with optimizer offload."""
     grid = itertools.product(("32-true", "bf16-mixed"), (0.0, 1.0), (False, True), (4, 16))
     chosen = [Plan(precision=p, activation_checkpointing=c, activation_offload=o, micro_batch_size=m)
               for p, c, o, m in grid]
+    if device.startswith("cuda") and importlib.util.find_spec("torchao") is not None:
+        chosen += [Plan(precision=p, optimizer_offload=True, micro_batch_size=16) for p in ("32-true", "bf16-mixed")]
     return [p for p in chosen if not p.activation_offload] if quick else chosen
 
 
@@ -177,6 +182,8 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
     if plan.activation_checkpointing:
         checkpoint_blocks(select_blocks(model, plan.activation_checkpointing))
     optimizer = _optimizer(model)
+    if plan.optimizer_offload:
+        optimizer = OffloadedOptimizer(optimizer, refresh_grads=False)
     size = batch_size_of(batch)
     micro = plan.micro_batch_size or size
     parts = [slice_batch(batch, i, min(i + micro, size), size) for i in range(0, size, micro)]
@@ -324,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = run(models=args.models, plan_list=plans(quick=args.quick), device=args.device)
+    rows = run(models=args.models, plan_list=plans(quick=args.quick, device=args.device), device=args.device)
     print(markdown(rows, args.device))
     if args.json is not None:
         meta = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -11,10 +12,13 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from autotune._apply import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
+from autotune._offload import INSTALL_HINT, offload_optimizers
 from autotune._plan import Plan, Provenance
 
 log = logging.getLogger("autotune")
@@ -23,7 +27,8 @@ _ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 class ApplyPlan(Callback):
-    """Apply a plan's model-side settings: activation checkpointing, activation offload, compile, allocator, data.
+    """Apply a plan's model-side settings: activation checkpointing, activation and optimizer offload, compile,
+    allocator, data.
 
     The plan's precision goes to ``Trainer(precision=...)`` and its micro-batch and budget to
     :class:`~autotune.callbacks.ElasticBatchSize`; :meth:`autotune.Plan.callbacks` and the tuned file set up both.
@@ -32,6 +37,8 @@ class ApplyPlan(Callback):
         activation_checkpointing: fraction in [0, 1] of the model's repeated blocks to recompute in backward (found
             automatically, as FSDP's transformer auto-wrap does), or the class names of the modules to recompute.
         activation_offload: keep the tensors saved for backward on the host during training steps.
+        optimizer_offload: run the optimizers from ``configure_optimizers`` with their state on the host and their
+            update on the CPU (torchao's ``CPUOffloadOptimizer``, one CUDA GPU); LR schedulers keep working.
         compile: ``torch.compile`` each repeated block in place.
         expandable_segments: set the CUDA allocator's ``expandable_segments:True``; refused once CUDA has started.
         num_workers: set the DataModule's ``num_workers`` (None: leave it).
@@ -51,6 +58,7 @@ class ApplyPlan(Callback):
         *,
         activation_checkpointing: float | list[str] = 0.0,
         activation_offload: bool = False,
+        optimizer_offload: bool = False,
         compile: bool = False,
         expandable_segments: bool = False,
         num_workers: int | None = None,
@@ -62,6 +70,7 @@ class ApplyPlan(Callback):
             if isinstance(activation_checkpointing, (list, tuple))
             else activation_checkpointing,
             activation_offload=activation_offload,
+            optimizer_offload=optimizer_offload,
             compile=compile,
             expandable_segments=expandable_segments,
             num_workers=num_workers,
@@ -82,6 +91,8 @@ class ApplyPlan(Callback):
         if plan.expandable_segments and device.type == "cuda":
             _set_expandable_segments()  # refuses when CUDA started without the setting
         self._warn_if_other_device(device)
+        if plan.optimizer_offload and stage == "fit":
+            _check_optimizer_offload(trainer)
         if plan.activation_checkpointing:
             self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
             self._undo.append(checkpoint_blocks(self.checkpointed))
@@ -101,6 +112,13 @@ class ApplyPlan(Callback):
             else:
                 rank_zero_warn(f"ApplyPlan: the plan sets {name}={value!r}, but the DataModule has no `{name}` "
                                "attribute; the setting is not applied.")
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.plan.optimizer_offload:  # the optimizers exist now, and their checkpointed state is not loaded yet
+            trainer.strategy.optimizers = offload_optimizers(
+                trainer.strategy.optimizers, refresh_grads=_grads_change_after_backward(trainer, pl_module))
+            log.info("autotune: optimizer state offloaded to the host: %s", trainer.strategy.optimizers)
 
     def _warn_if_other_device(self, device: torch.device) -> None:
         measured = self.plan.provenance.device_name
@@ -140,6 +158,34 @@ class ApplyPlan(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")
+
+
+def _check_optimizer_offload(trainer: Trainer) -> None:
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise MisconfigurationException(
+            f"ApplyPlan(optimizer_offload=True) moves optimizer state from a CUDA GPU to the host, but this run is on "
+            f"{device.type}. Run on one GPU, or set optimizer_offload=False."
+        )
+    if not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+        raise MisconfigurationException(
+            f"ApplyPlan(optimizer_offload=True) runs on one GPU (torchao's CPUOffloadOptimizer), but the run uses "
+            f"{type(trainer.strategy).__name__} with {trainer.world_size} process(es). Use devices=1, or set "
+            "optimizer_offload=False."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise MisconfigurationException(f"ApplyPlan(optimizer_offload=True) needs torchao: {INSTALL_HINT}")
+
+
+def _grads_change_after_backward(trainer: Trainer, pl_module: LightningModule) -> bool:
+    """Whether something may change gradients between backward and the update (then the offloaded update copies
+    them to the host again): clipping, a GradScaler, or a hook that sees them."""
+    if trainer.gradient_clip_val or getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return True
+    hooks = ("on_after_backward", "on_before_optimizer_step")
+    if any(is_overridden(hook, pl_module) for hook in (*hooks, "configure_gradient_clipping")):
+        return True
+    return any(is_overridden(hook, callback, Callback) for callback in trainer.callbacks for hook in hooks)
 
 
 def _set_expandable_segments() -> None:

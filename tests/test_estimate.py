@@ -110,6 +110,20 @@ def test_cuda_median_error_is_within_5_percent():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("torchao") is None,
+                    reason="needs CUDA and torchao")
+def test_cuda_optimizer_offload_prediction_is_within_10_percent():
+    model, batch = bench.build("gpt-4x128")
+    plan = Plan(optimizer_offload=True, micro_batch_size=16)
+    predicted = estimate(model=model, batch=batch, plan=plan, device="cuda")
+    measured = bench.measure_peak(model=model, batch=batch, plan=plan, device="cuda")
+    assert abs(predicted.predicted_peak_bytes - measured) / measured <= 0.10, (predicted, measured)
+    kept = estimate(model=model, batch=batch, plan=plan.replace(optimizer_offload=False), device="cuda")
+    assert predicted.optimizer_state_bytes < 0.1 * kept.optimizer_state_bytes
+    assert predicted.host_bytes > kept.optimizer_state_bytes
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_offload_moves_saved_activations_to_the_host(gpt):
     model, batch = gpt

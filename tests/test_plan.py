@@ -20,6 +20,7 @@ def full_plan() -> Plan:
         budget="3GiB",
         activation_checkpointing=0.5,
         activation_offload=True,
+        optimizer_offload=True,
         num_workers=0,
         pin_memory=False,
         provenance=Provenance.here(budget="3GiB", device_name="cpu", samples_per_second=812.5, peak_bytes=2**31,
@@ -42,8 +43,8 @@ def test_plan_in_plain_python() -> None:
     elastic, apply = plan.callbacks()
     assert isinstance(elastic, ElasticBatchSize) and elastic.micro_batch_size == 8 and str(elastic.budget) == "3GiB"
     assert isinstance(apply, ApplyPlan) and apply.plan.activation_checkpointing == 0.5
-    assert apply.plan.activation_offload is True
-    assert plan.describe() == "bf16-mixed, micro 8, ckpt 0.5, offload, workers 0"
+    assert apply.plan.activation_offload is True and apply.plan.optimizer_offload is True
+    assert plan.describe() == "bf16-mixed, micro 8, ckpt 0.5, offload, optimizer-offload, workers 0"
     assert plan.replace(micro_batch_size=4).micro_batch_size == 4
 
 

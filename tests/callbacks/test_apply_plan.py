@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+import types
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autotune._apply import find_blocks, select_blocks
-from autotune.callbacks import ApplyPlan, ElasticBatchSize
+from autotune.callbacks import ApplyPlan, ElasticBatchSize, apply_plan
 from tests.callbacks.toy import trainer
 
 
@@ -194,3 +198,138 @@ def test_checkpointing_and_offload_save_cuda_memory() -> None:
     plain = peak(None)
     assert peak(ApplyPlan(activation_checkpointing=1.0)) < 0.6 * plain
     assert peak(ApplyPlan(activation_offload=True)) < 0.6 * plain
+
+
+# ------------------------------------------------------------------------------------------- optimizer offload
+# On CUDA with torchao (gpu marker); on the CPU with a stand-in of torchao's optimizer (its layout and behaviour,
+# plain CPU copies), the offload check being the only thing bypassed, so the wiring runs without a GPU.
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("torchao") is None,
+    reason="needs a CUDA device and torchao")])])
+def offload_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cpu":
+        from tests.callbacks.offload_standin import HostOffload
+
+        optim = types.ModuleType("torchao.optim")
+        optim.CPUOffloadOptimizer = HostOffload  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+        monkeypatch.setitem(sys.modules, "torchao.optim", optim)
+        monkeypatch.setattr(apply_plan, "_check_optimizer_offload", lambda trainer: None)
+    return request.param
+
+
+class Scheduled(Stack):
+    """AdamW with a per-step LR schedule; out of memory in forward or backward at one step for micro-batches over a
+    limit."""
+
+    fault: tuple[str, int, int] | None = None  # (where, step, limit)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        where, step, limit = self.fault or ("", -1, 0)
+        if self.trainer.global_step == step and len(x) > limit:
+            if where == "forward":
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated in forward)")
+            # In backward, once the gradients of the last blocks exist (torchao has started copying them).
+            hook = self.blocks[2].register_forward_hook(_raise_oom_in_its_backward)
+            try:
+                return nn.functional.mse_loss(self(x), y)
+            finally:
+                hook.remove()
+        return nn.functional.mse_loss(self(x), y)
+
+
+def _raise_oom_in_its_backward(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    def raise_oom(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+
+    out.register_hook(raise_oom)
+
+
+def train_on(device: str, callbacks: list[Any], *, fault: tuple[str, int, int] | None = None,
+             **trainer_kwargs: Any) -> Scheduled:
+    L.seed_everything(0, verbose=False)
+    model = Scheduled(width=64, dropout=0.0)  # 64 x 256 block weights: offloaded; norms and biases: not
+    model.fault = fault
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
+    options = {"accelerator": device, "max_epochs": 2, **trainer_kwargs}  # 8 steps
+    trainer(callbacks, **options).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return model
+
+
+def elastic(micro: int = 16) -> ElasticBatchSize:
+    return ElasticBatchSize(micro_batch_size=micro, grow=False)
+
+
+def assert_same_weights(device: str, expected: nn.Module, actual: nn.Module) -> None:
+    """Bit for bit on the CPU stand-in; on CUDA the offloaded update ran on the CPU: float rounding only."""
+    for p, q in zip(expected.parameters(), actual.parameters()):
+        if device == "cpu":
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_optimizer_offload_trains_like_the_plain_optimizer(offload_device: str, clip: float | None) -> None:
+    plain = train_on(offload_device, [elastic()], gradient_clip_val=clip)
+    offloaded = train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True)], gradient_clip_val=clip)
+    assert_same_weights(offload_device, plain, offloaded)
+    opt = offloaded.trainer.optimizers[0]
+    assert type(opt).__name__ == "OffloadedOptimizer" and len(opt.offloaded_parameters) == 8
+    assert opt.refresh_grads is (clip is not None)
+    assert all(s["exp_avg"].device.type == "cpu" for o in opt.offload.optim_dict.values() for s in o.state.values())
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 9)  # the schedule went through the user's groups
+    host_lrs = {g["lr"] for o in opt.offload.optim_dict.values() for g in o.param_groups}
+    assert host_lrs == {opt.param_groups[0]["initial_lr"] / 8}  # copied before each update: the 8th update's
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_optimizer_offload_replays_an_oom_exactly(offload_device: str, where: str) -> None:
+    reference = train_on(offload_device, [elastic(8), ApplyPlan(optimizer_offload=True)])
+    cb = elastic(16)
+    replayed = train_on(offload_device, [cb, ApplyPlan(optimizer_offload=True)], fault=(where, 0, 8))
+    assert [(e.kind, e.previous, e.micro_batch_size) for e in cb.events] == [("oom", 16, 8)]
+    for p, q in zip(reference.parameters(), replayed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_optimizer_offload_resumes_from_either_kind_of_checkpoint(offload_device: str, tmp_path: Any) -> None:
+    plain = train_on(offload_device, [elastic()])
+    offloaded = train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True)])
+    saved = ModelCheckpoint(dirpath=tmp_path)  # at the end of the first epoch
+    train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True), saved], max_epochs=1,
+             enable_checkpointing=True)
+    resumed = train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True)], ckpt_path=saved.best_model_path)
+    for p, q in zip(offloaded.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    switched = train_on(offload_device, [elastic()], ckpt_path=saved.best_model_path)  # a plain optimizer's layout
+    assert_same_weights(offload_device, plain, switched)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("torchao") is None,
+                    reason="needs a CUDA device and torchao")
+def test_optimizer_offload_lowers_cuda_memory() -> None:
+    class Peak(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.peak = torch.cuda.max_memory_allocated()
+            self.kept = torch.cuda.memory_allocated()
+
+    plain, offloaded = Peak(), Peak()
+    train_on("cuda", [elastic(), plain])
+    model = train_on("cuda", [elastic(), ApplyPlan(optimizer_offload=True), offloaded])
+    state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters() if p.numel() >= 4096)  # exp_avg, exp_avg_sq
+    assert offloaded.kept <= plain.kept - 0.9 * state_bytes
+    assert offloaded.peak <= plain.peak - 0.9 * state_bytes

@@ -1,0 +1,243 @@
+"""Optimizer-state offload: the user's optimizer run by torchao's ``CPUOffloadOptimizer`` inside Lightning.
+
+torchao does the offload itself (pinned host copies of the parameters, gradient copies on a side stream as backward
+produces them, the update on the CPU, parameters copied back). This module makes it a drop-in for the optimizer
+``configure_optimizers`` returned:
+
+- the user's optimizer stays the holder of the hyper-parameters: its ``param_groups`` are the ones LR schedulers,
+  ``LearningRateMonitor`` and gradient clipping see, and they are copied into torchao's per-parameter groups before
+  every update;
+- the closure Lightning passes to ``step`` runs with gradients enabled (torchao's ``step`` runs under ``no_grad``);
+- gradients changed after backward (clipping, GradScaler unscaling, ``on_before_optimizer_step``) are copied to the
+  host again before the update, since torchao copied them as backward produced them;
+- checkpoints hold the optimizer's ordinary ``state_dict`` layout, so a run can switch offload on or off on resume.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+#: Parameters with fewer elements keep their optimizer on the device (many small transfers cost more than they save).
+OFFLOAD_MIN_NUMEL = 4096
+#: Group keys that describe how an update runs on its device, not what it computes: left to each side's default.
+_DEVICE_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+#: How to get torchao, for messages.
+INSTALL_HINT = "pip install 'lightning-autotune[offload]'"
+
+
+def is_offloaded(param: Tensor) -> bool:
+    """Whether torchao keeps this parameter's optimizer state on the host (trainable, ``OFFLOAD_MIN_NUMEL`` or more)."""
+    return param.requires_grad and param.numel() >= OFFLOAD_MIN_NUMEL
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyper-parameters, without its parameters and device-specific switches."""
+    return {k: v for k, v in group.items() if k != "params" and k not in _DEVICE_KEYS}
+
+
+def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer``'s defaults that its class's constructor takes (device-specific switches left out)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in _DEVICE_KEYS}
+
+
+def device_part(optimizer: Optimizer) -> Optimizer | None:
+    """The part of ``optimizer`` that stays on the device under offload: its groups over the parameters that are not
+    offloaded (None when every parameter is)."""
+    groups = []
+    for group in optimizer.param_groups:
+        kept = [p for p in group["params"] if not is_offloaded(p)]
+        if kept:
+            groups.append({**hyperparameters(group), "params": kept})
+    return type(optimizer)(groups, **constructor_defaults(optimizer)) if groups else None
+
+
+class _Owners:
+    """Where each parameter's optimizer state lives, and the copy of hyper-parameters into those places.
+
+    ``owner`` maps each parameter of ``groups`` that has an optimizer to ``(optimizer, key)``: the optimizer that
+    updates it and the tensor its state is keyed by there (a host copy for offloaded parameters).
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], owner: dict[Tensor, tuple[Optimizer, Tensor]]) -> None:
+        self.groups = groups
+        self.owner = owner
+        self.pairs = self._pairs()
+
+    def _pairs(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(user group, group that updates some of its parameters), each target once. Recomputed after a load:
+        ``Optimizer.load_state_dict`` replaces the group dicts."""
+        owner = self.owner
+        targets: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for group in self.groups:
+            for p in group["params"]:
+                if p not in owner:
+                    continue
+                opt, key = owner[p]
+                target = next(g for g in opt.param_groups if any(t is key for t in g["params"]))
+                targets.setdefault(id(target), (group, target))
+        return list(targets.values())
+
+    def sync(self) -> None:
+        """Copy the hyper-parameters of each user group into the groups that update its parameters."""
+        for group, target in self.pairs:
+            target.update(hyperparameters(group))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in ``torch.optim.Optimizer.state_dict``'s layout, indexed over the user's groups."""
+        state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for group in self.groups:
+            ids = []
+            for p in group["params"]:
+                if p in self.owner:
+                    opt, key = self.owner[p]
+                    if opt.state.get(key):
+                        state[index] = opt.state[key]
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state in ``torch.optim.Optimizer.state_dict``'s layout (with or without offload when saved)."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or "state" not in state_dict:
+            raise ValueError("optimizer state must be a torch.optim.Optimizer.state_dict() (keys 'state' and "
+                             f"'param_groups'); got keys {sorted(state_dict)!r}")
+        if len(saved_groups) != len(self.groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(self.groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's "
+                             "group")
+        saved_state = state_dict["state"]
+        by_key: dict[int, tuple[Tensor, Any]] = {}  # id(key tensor) -> (parameter, its saved state)
+        for group, saved in zip(self.groups, saved_groups):
+            for p, index in zip(group["params"], saved["params"]):
+                if p in self.owner and index in saved_state:
+                    by_key[id(self.owner[p][1])] = (p, saved_state[index])
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for opt in {id(o): o for o, _ in self.owner.values()}.values():
+            state: dict[int, Any] = {}
+            layout = []
+            index = 0
+            for g in opt.param_groups:
+                ids = []
+                for key in g["params"]:
+                    if id(key) in by_key:
+                        state[index] = by_key[id(key)][1]
+                    ids.append(index)
+                    index += 1
+                layout.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+            opt.load_state_dict({"state": state, "param_groups": layout})
+        self.pairs = self._pairs()
+        self.sync()
+
+
+class OffloadedOptimizer(Optimizer):
+    """``optimizer`` with its state on the host and its update on the CPU, by torchao's ``CPUOffloadOptimizer``.
+
+    One GPU only. Parameters with fewer than ``OFFLOAD_MIN_NUMEL`` elements keep their update on the device. The
+    given optimizer keeps the hyper-parameters (LR schedulers built on it keep working); its own state stays empty.
+
+    Args:
+        optimizer: the optimizer to offload (any ``torch.optim.Optimizer`` whose update needs no closure).
+        refresh_grads: copy gradients to the host again right before the update, for runs that change gradients
+            after backward (clipping, GradScaler, hooks); False trusts the copies torchao made during backward.
+
+    Raises:
+        ValueError: for an optimizer whose update evaluates the closure itself (LBFGS).
+        ImportError: when torchao is not installed.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, refresh_grads: bool = True) -> None:  # no Optimizer.__init__: torchao's
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("optimizer_offload cannot run LBFGS: its update re-evaluates the closure, and the "
+                             "offloaded update runs without one. Use another optimizer or optimizer_offload=False.")
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError as error:
+            raise ImportError(f"optimizer_offload needs torchao: {INSTALL_HINT}") from error
+        groups = [{**hyperparameters(g), "params": list(g["params"])} for g in optimizer.param_groups]
+        self.user_optimizer = optimizer
+        self.offload = CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), minimal_size=OFFLOAD_MIN_NUMEL,
+                                           **constructor_defaults(optimizer))
+        owner: dict[Tensor, tuple[Optimizer, Tensor]] = {
+            p: (self.offload.optim_dict[p], host) for p, host in self.offload.param_d2h_map.items()}
+        device_opt = self.offload.d_opt
+        if device_opt is not None:
+            owner.update({p: (device_opt, p) for g in device_opt.param_groups for p in g["params"]})
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups  # the same list: what schedulers and clipping change
+        self.refresh_grads = refresh_grads
+        self._owners = _Owners(self.param_groups, owner)
+        self._owners.sync()
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The optimizer state that stays on the device (of the parameters too small to offload)."""
+        device_opt = self.offload.d_opt
+        return device_opt.state if device_opt is not None else {}
+
+    @property
+    def offloaded_parameters(self) -> list[Tensor]:
+        """The parameters whose optimizer state is on the host."""
+        return list(self.offload.param_d2h_map)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._owners.sync()
+        self._prepare_host_grads()
+        self.offload.step()
+        self.user_optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
+        return loss
+
+    def _prepare_host_grads(self) -> None:
+        """Forget copies of gradients that no longer exist (a replayed step, an unused parameter) and, with
+        ``refresh_grads``, copy the final gradients to the host."""
+        ao = self.offload
+        if not self.refresh_grads:
+            for p in [p for p in ao.queue if p.grad is None]:
+                del ao.queue[p]
+            return
+        streams = getattr(torch, ao.device)
+        ao.stream.wait_stream(streams.current_stream())
+        with streams.stream(ao.stream):
+            for p, host in ao.param_d2h_map.items():
+                ao.queue.pop(p, None)
+                if p.grad is not None:
+                    host.grad.copy_(p.grad, non_blocking=True)
+                    ao.queue[p] = ao.stream.record_event()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the device gradients (always to None: the host copies are overwritten by the next backward)."""
+        self.offload.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._owners.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._owners.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("OffloadedOptimizer cannot add parameter groups: add them before offloading")
+
+    def __repr__(self) -> str:
+        return (f"OffloadedOptimizer({type(self.user_optimizer).__name__}, "
+                f"{len(self.offload.param_d2h_map)} parameter tensors updated on the host)")
+
+
+def offload_optimizers(optimizers: Iterable[Optimizer], *, refresh_grads: bool) -> list[Optimizer]:
+    """Each optimizer offloaded (those already offloaded are kept)."""
+    return [opt if isinstance(opt, OffloadedOptimizer) else OffloadedOptimizer(opt, refresh_grads=refresh_grads)
+            for opt in optimizers]
