@@ -166,9 +166,12 @@ class OffloadedOptimizer(Optimizer):
         except ImportError as error:
             raise ImportError(f"optimizer_offload needs torchao: {INSTALL_HINT}") from error
         groups = [{**hyperparameters(g), "params": list(g["params"])} for g in optimizer.param_groups]
+        params = [p for g in groups for p in g["params"]]
+        hooks_before = {id(p): set(_grad_hooks(p)) for p in params}
         self.user_optimizer = optimizer
         self.offload = CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), minimal_size=OFFLOAD_MIN_NUMEL,
                                            **constructor_defaults(optimizer))
+        self._hooks = [(p, set(_grad_hooks(p)) - hooks_before[id(p)]) for p in self.offload.param_d2h_map]
         owner: dict[Tensor, tuple[Optimizer, Tensor]] = {
             p: (self.offload.optim_dict[p], host) for p, host in self.offload.param_d2h_map.items()}
         device_opt = self.offload.d_opt
@@ -177,12 +180,21 @@ class OffloadedOptimizer(Optimizer):
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups  # the same list: what schedulers and clipping change
         self.refresh_grads = refresh_grads
+        self._unowned = [p for p in params if p not in owner]  # frozen when offloaded: torchao leaves them out
         self._owners = _Owners(self.param_groups, owner)
         self._owners.sync()
 
     @property
+    def optimizer(self) -> Optimizer:
+        """The offloaded optimizer, which holds the hyper-parameters (as wrapping optimizers expose it)."""
+        return self.user_optimizer
+
+    @property
     def state(self) -> Any:  # type: ignore[override]
-        """The optimizer state that stays on the device (of the parameters too small to offload)."""
+        """The optimizer state that stays on the device (of the parameters too small to offload).
+
+        It is all that ``ElasticBatchSize``'s update snapshot saves and restores, and all it needs to: torchao runs
+        this device update before any host update, and only the device can run out of memory."""
         device_opt = self.offload.d_opt
         return device_opt.state if device_opt is not None else {}
 
@@ -196,6 +208,11 @@ class OffloadedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not None for p in self._unowned):
+            raise RuntimeError(
+                "a parameter that was frozen (requires_grad=False) when the optimizer was offloaded has a gradient "
+                "now; the offloaded optimizer cannot update it. Unfreeze parameters before fit starts, or set "
+                "optimizer_offload=False.")
         self._owners.sync()
         self._prepare_host_grads()
         self.offload.step()
@@ -219,6 +236,20 @@ class OffloadedOptimizer(Optimizer):
                     host.grad.copy_(p.grad, non_blocking=True)
                     ao.queue[p] = ao.stream.record_event()
 
+    def copy_weights_to_host(self) -> None:
+        """Copy the device weights into torchao's host copies, which each update writes back to the device (for
+        weights changed outside the optimizer, e.g. re-initialised in ``on_fit_start``)."""
+        with torch.no_grad():
+            for p, host in self.offload.param_d2h_map.items():
+                host.copy_(p)
+
+    def close(self) -> None:
+        """Remove torchao's gradient hooks from the parameters (they would copy gradients to the host for good)."""
+        for p, keys in self._hooks:
+            for key in keys:
+                _grad_hooks(p).pop(key, None)
+        self._hooks = []
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the device gradients (always to None: the host copies are overwritten by the next backward)."""
         self.offload.zero_grad(set_to_none=True)
@@ -235,6 +266,11 @@ class OffloadedOptimizer(Optimizer):
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.user_optimizer).__name__}, "
                 f"{len(self.offload.param_d2h_map)} parameter tensors updated on the host)")
+
+
+def _grad_hooks(param: Tensor) -> dict[int, Any]:
+    """The post-accumulate-grad hooks of ``param`` by handle id (torch keeps no public list of them)."""
+    return getattr(param, "_post_accumulate_grad_hooks", None) or {}
 
 
 def offload_optimizers(optimizers: Iterable[Optimizer], *, refresh_grads: bool) -> list[Optimizer]:

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from autotune._apply import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
-from autotune._offload import INSTALL_HINT, offload_optimizers
+from autotune._offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
 from autotune._plan import Plan, Provenance
 
 log = logging.getLogger("autotune")
@@ -120,6 +121,11 @@ class ApplyPlan(Callback):
                 trainer.strategy.optimizers, refresh_grads=_grads_change_after_backward(trainer, pl_module))
             log.info("autotune: optimizer state offloaded to the host: %s", trainer.strategy.optimizers)
 
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for opt in _offloaded(trainer):  # LightningModule.on_fit_start ran after the host copies were taken
+            opt.copy_weights_to_host()
+
     def _warn_if_other_device(self, device: torch.device) -> None:
         measured = self.plan.provenance.device_name
         if not measured:
@@ -151,6 +157,8 @@ class ApplyPlan(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close_offload()
+        for opt in _offloaded(trainer):
+            opt.close()
         for undo in reversed(self._undo):
             undo()
         self._undo = []
@@ -177,14 +185,25 @@ def _check_optimizer_offload(trainer: Trainer) -> None:
         raise MisconfigurationException(f"ApplyPlan(optimizer_offload=True) needs torchao: {INSTALL_HINT}")
 
 
+def _offloaded(trainer: Trainer) -> list[OffloadedOptimizer]:
+    return [opt for opt in trainer.strategy.optimizers if isinstance(opt, OffloadedOptimizer)]
+
+
 def _grads_change_after_backward(trainer: Trainer, pl_module: LightningModule) -> bool:
     """Whether something may change gradients between backward and the update (then the offloaded update copies
-    them to the host again): clipping, a GradScaler, or a hook that sees them."""
-    if trainer.gradient_clip_val or getattr(trainer.precision_plugin, "scaler", None) is not None:
+    them to the host again): clipping, a GradScaler or another precision plugin than Lightning's plain and mixed
+    ones, or a hook of the module's class or of a callback that sees them."""
+    precision = trainer.precision_plugin
+    if trainer.gradient_clip_val or getattr(precision, "scaler", None) is not None:
+        return True
+    if type(precision) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+        return True
+    module_hooks = ("backward", "optimizer_step", "on_after_backward", "on_before_optimizer_step",
+                    "configure_gradient_clipping")
+    cls = type(pl_module)  # the class: ElasticBatchSize wraps some of these on the instance, and changes nothing
+    if any(getattr(cls, hook) is not getattr(LightningModule, hook) for hook in module_hooks):
         return True
     hooks = ("on_after_backward", "on_before_optimizer_step")
-    if any(is_overridden(hook, pl_module) for hook in (*hooks, "configure_gradient_clipping")):
-        return True
     return any(is_overridden(hook, callback, Callback) for callback in trainer.callbacks for hook in hooks)
 
 

@@ -287,6 +287,8 @@ def test_optimizer_offload_trains_like_the_plain_optimizer(offload_device: str, 
     assert opt.refresh_grads is (clip is not None)
     assert all(s["exp_avg"].device.type == "cpu" for o in opt.offload.optim_dict.values() for s in o.state.values())
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 9)  # the schedule went through the user's groups
+    assert opt.optimizer is offloaded.lr_schedulers().optimizer  # what LearningRateMonitor unwraps to
+    assert all(not (p._post_accumulate_grad_hooks or {}) for p in offloaded.parameters())  # removed at teardown
     host_lrs = {g["lr"] for o in opt.offload.optim_dict.values() for g in o.param_groups}
     assert host_lrs == {opt.param_groups[0]["initial_lr"] / 8}  # copied before each update: the 8th update's
 
@@ -301,6 +303,64 @@ def test_optimizer_offload_replays_an_oom_exactly(offload_device: str, where: st
         assert torch.equal(p, q)
 
 
+class Detour(Scheduled):
+    """Micro-batches over 8 samples go through an extra layer as well, and the second of them runs out of memory: the
+    detour's gradient exists only in the failed attempt. ``on_fit_start`` rescales the first block's weights after
+    the optimizer was offloaded."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.detour = nn.Linear(64, 64)
+        self.large_parts = 0
+
+    def on_fit_start(self) -> None:
+        with torch.no_grad():
+            self.blocks[0].mlp[0].weight.mul_(0.5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if len(batch[0]) > 8:
+            self.large_parts += 1
+            if self.large_parts == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated in forward)")
+        return super().training_step(batch, batch_idx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if len(x) > 8:
+            h = h + self.detour(h)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_optimizer_offload_forgets_gradients_of_a_failed_attempt_and_sees_weights_set_in_hooks(
+        offload_device: str) -> None:
+    def run(callbacks: list[Any]) -> Detour:
+        L.seed_everything(0, verbose=False)
+        model = Detour(width=64, dropout=0.0)
+        trainer(callbacks, accelerator=offload_device, max_epochs=2).fit(model, datamodule=Data())
+        return model
+
+    reference = run([elastic(8)])  # never uses the detour
+    cb = elastic(16)
+    replayed = run([cb, ApplyPlan(optimizer_offload=True)])  # the detour's gradient from the failed attempt is dropped
+    assert [(e.kind, e.previous, e.micro_batch_size) for e in cb.events] == [("oom", 16, 8)]
+    assert_same_weights(offload_device, reference, replayed)
+
+
+def test_optimizer_offload_refuses_to_train_a_parameter_frozen_when_it_started(offload_device: str) -> None:
+    class Unfreezes(Scheduled):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.blocks[0].mlp[0].weight.requires_grad_(batch_idx >= 1)
+
+    L.seed_everything(0, verbose=False)
+    model = Unfreezes(width=64, dropout=0.0)
+    model.blocks[0].mlp[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"frozen \(requires_grad=False\) when the optimizer was offloaded has a "
+                       r"gradient now"):
+        trainer([ApplyPlan(optimizer_offload=True)], accelerator=offload_device).fit(model, datamodule=Data())
+
+
 def test_optimizer_offload_resumes_from_either_kind_of_checkpoint(offload_device: str, tmp_path: Any) -> None:
     plain = train_on(offload_device, [elastic()])
     offloaded = train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True)])
@@ -312,6 +372,11 @@ def test_optimizer_offload_resumes_from_either_kind_of_checkpoint(offload_device
         assert torch.equal(p, q)
     switched = train_on(offload_device, [elastic()], ckpt_path=saved.best_model_path)  # a plain optimizer's layout
     assert_same_weights(offload_device, plain, switched)
+    plain_saved = ModelCheckpoint(dirpath=tmp_path / "plain")
+    train_on(offload_device, [elastic(), plain_saved], max_epochs=1, enable_checkpointing=True)
+    switched_on = train_on(offload_device, [elastic(), ApplyPlan(optimizer_offload=True)],
+                           ckpt_path=plain_saved.best_model_path)
+    assert_same_weights(offload_device, plain, switched_on)
 
 
 @pytest.mark.gpu
