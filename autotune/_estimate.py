@@ -8,9 +8,9 @@ the optimizer state; when the plan cuts the batch, the traced micro-batch adds t
 of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are
 those at that moment. CPU convolutions add their kernels' work buffers (:func:`_cpu_conv_workspace`). On CUDA each
 allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces (:func:`cuda_overhead_bytes`; the CUDA
-context is outside ``max_memory_allocated``), plus DDP's gradient buckets under ``strategy="ddp"``. Offloaded
-activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu`` keeps a tensor where it is, so offload
-saves nothing there. Under ``optimizer_offload`` the update of the parameters torchao offloads runs on the host:
+context is outside ``max_memory_allocated``), plus DDP's gradient buckets and the runtime's averaging buffers
+under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu``
+keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update of the parameters torchao offloads runs on the host:
 the device keeps their gradients, the host their pinned copies, gradients and optimizer state (``host_bytes``).
 ``compile`` is not traced: the estimate is the eager step.
 """
@@ -35,6 +35,7 @@ from torch import nn
 from autotune._apply import checkpoint_blocks, offload_activations, select_blocks
 from autotune._batch import batch_size_of, slice_batch
 from autotune._budget import Budget, BudgetSpec
+from autotune._microbatch import GRADIENT_BUCKET_BYTES
 from autotune._offload import constructor_defaults, device_part, hyperparameters, is_offloaded
 from autotune._plan import Plan
 from autotune._probe import DeviceSpec, probe_memory, resolve_device
@@ -350,7 +351,9 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
                              "tensor values (such as .item() or data-dependent shapes)") from error
         state_bytes = _bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device)
         trained = (p for p in fake.parameters() if p.requires_grad)
-        ddp_bytes = _bytes_of(trained, device) if plan.strategy == "ddp" else 0  # DDP's buckets: one more gradient
+        grad_bytes = _bytes_of(trained, device) if plan.strategy == "ddp" else 0
+        # DDP's own buckets (one more gradient) and the runtime's averaging buffers (up to two buckets).
+        ddp_bytes = grad_bytes + min(grad_bytes, 2 * GRADIENT_BUCKET_BYTES)
     return _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
                           state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
 
