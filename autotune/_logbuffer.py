@@ -2,8 +2,8 @@
 
 A failed attempt's calls are discarded, so a replay does not count twice in epoch means; a successful step logs
 each key once, as if the whole batch had gone through at once: means are weighted by micro-batch size (or by the
-``batch_size`` the user passed), sums add up, max and min take the extreme. Metric objects (torchmetrics) keep
-their own state and are passed through from the last call.
+``batch_size`` the user passed), sums add up, max and min take the extreme. Metric objects (torchmetrics) are
+passed through from the last call; the engine rolls their state back after a failed attempt (``MetricStates``).
 """
 
 from __future__ import annotations

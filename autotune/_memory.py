@@ -108,6 +108,31 @@ class RNGState:
             _np_random.set_state(self.numpy)
 
 
+class MetricStates:
+    """The state of the torchmetrics ``Metric`` modules of a model, so a replay does not count a failed attempt's
+    updates. Metrics are found among the model's submodules (attributes, ``MetricCollection``)."""
+
+    _ATTRS = ("_update_count", "_computed", "_forward_cache")
+
+    def __init__(self, metrics: list[torch.nn.Module]) -> None:
+        self.saved = [(m, {name: _copy_state(getattr(m, name)) for name in (*m._defaults, *self._ATTRS)
+                           if hasattr(m, name)}) for m in metrics]
+
+    @staticmethod
+    def find(module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The torchmetrics metrics among ``module``'s submodules (none when torchmetrics is not installed)."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - Lightning installs torchmetrics
+            return []
+        return [m for m in module.modules() if isinstance(m, Metric)]
+
+    def restore(self) -> None:
+        for metric, state in self.saved:
+            for name, value in state.items():
+                setattr(metric, name, _copy_state(value))  # a copy: a second replay restores from here again
+
+
 class UpdateSnapshot:
     """A host copy of parameters and optimizer state, taken before an update so a failed update can be undone.
 
@@ -187,6 +212,12 @@ class UpdateSnapshot:
                         state[k] = _copy_value(v)
         for group, saved_group in zip(optimizer.param_groups, self._groups):
             group.update({k: _copy_value(v) for k, v in saved_group.items()})
+
+
+def _copy_state(value: Any) -> Any:
+    """A metric state's copy: tensors cloned; list states (appended to, their items never changed) copied shallowly,
+    so the cost per step stays that of a pointer per item."""
+    return list(value) if isinstance(value, list) else _copy_value(value)
 
 
 def _copy_value(value: Any) -> Any:

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from autotune._batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._budget import format_bytes
 from autotune._logbuffer import LogBuffer
-from autotune._memory import MemoryMeter, RNGState, UpdateSnapshot, release_memory
+from autotune._memory import MemoryMeter, MetricStates, RNGState, UpdateSnapshot, release_memory
 from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
@@ -219,6 +219,7 @@ class ElasticEngine:
         self.phase = "closure"
         self.last_peak_bytes = 0
         self._warned_floor = False
+        self._metrics: list[torch.nn.Module] | None = None
 
     # ----------------------------------------------------------------------------------------------- training
     def start_batch(self, batch: Any) -> None:
@@ -258,6 +259,7 @@ class ElasticEngine:
         if self.micro_batch_size is None:
             self.micro_batch_size = n
         rng = RNGState()
+        metrics = self._metric_states(module)
         if self.protect_update:
             self.snapshot.capture(optimizer)
         static = self.meter.start()
@@ -305,6 +307,7 @@ class ElasticEngine:
             if scaler is not None:
                 scaler._per_optimizer_states.clear()  # forget unscale_/inf checks of the failed attempt
             rng.restore()
+            metrics.restore()
             self._record("grow_failed" if self.growing_from is not None else "oom", global_step, micro, next_micro,
                          failed_in)
             self.growing_from = None
@@ -314,6 +317,12 @@ class ElasticEngine:
         self.logs.flush()
         self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
+
+    def _metric_states(self, module: torch.nn.Module) -> MetricStates:
+        """The model's torchmetrics states now (the metrics are looked up once per fit)."""
+        if self._metrics is None:
+            self._metrics = MetricStates.find(module)
+        return MetricStates(self._metrics)
 
     def _check_same_split(self, n: int | None) -> None:
         """Under DDP every rank must run as many micro-batches (each is followed by a vote): check it, together."""
@@ -422,10 +431,12 @@ class ElasticEngine:
         )
 
     # --------------------------------------------------------------------------------------------- evaluation
-    def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
+    def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict,
+                      module: torch.nn.Module) -> Any:
         """Run an evaluation step, splitting its batch after an OOM; the training micro-batch is not touched."""
         n = batch_size_of(batch)
         rng = RNGState()
+        metrics = self._metric_states(module)
         while True:
             micro = min(self.eval_micro_batch_size.get(stage, n or 1), n or 1)
             sizes = split_sizes(n, micro) if n else [1]
@@ -454,6 +465,7 @@ class ElasticEngine:
             outputs = []
             release_memory((), self.device)
             rng.restore()
+            metrics.restore()
             self.eval_micro_batch_size[stage] = smaller
             self._record("eval_oom", -1, micro, smaller, where=stage)
 

@@ -203,7 +203,7 @@ class ElasticBatchSize(Callback):
         for name, stage in _EVAL_STEPS.items():
             original = getattr(pl_module, name, None)
             if original is not None:
-                self._patch(pl_module, name, _eval_wrapper(engine, stage, original))
+                self._patch(pl_module, name, _eval_wrapper(engine, stage, original, pl_module))
 
     def _uninstall(self) -> None:
         for obj, name, had, value in reversed(self._restore):
@@ -261,10 +261,10 @@ class ElasticBatchSize(Callback):
             self._pending_state = dict(state_dict)
 
 
-def _eval_wrapper(engine: ElasticEngine, stage: str, original: Any) -> Any:
+def _eval_wrapper(engine: ElasticEngine, stage: str, original: Any, module: LightningModule) -> Any:
     @functools.wraps(original)
     def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        return engine.run_eval_step(stage, original, batch, args, kwargs)
+        return engine.run_eval_step(stage, original, batch, args, kwargs, module)
 
     return step
 

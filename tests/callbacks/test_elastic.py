@@ -8,7 +8,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from autotune import OutOfMemoryAtMinimumError
 from autotune.callbacks import ElasticBatchSize
-from tests.callbacks.toy import Fault, ToyModel, fit, loader, max_weight_diff, reference, trainer
+from tests.callbacks.toy import Fault, ToyModel, fit, loader, max_weight_diff, reference, trainer, unpack
 
 N = 64
 STEPS = 4
@@ -296,3 +296,41 @@ def test_real_cuda_oom_under_a_hard_cap_recovers() -> None:
     assert cb.events and all(e.kind == "oom" for e in cb.events)
     assert model.sizes[-1] == cb.micro_batch_size < 4096
     assert torch.cuda.max_memory_reserved() <= 2 * 2**30
+
+
+class Counted(ToyModel):
+    """Counts the samples each stage sees in torchmetrics metrics (updated in the steps, where a replay repeats)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        import torchmetrics
+
+        self.train_count = torchmetrics.SumMetric()
+        self.val_metrics = torchmetrics.MetricCollection({"count": torchmetrics.SumMetric(),
+                                                          "mean_y": torchmetrics.MeanMetric()})
+        self.train_ys = torchmetrics.CatMetric()
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)  # raises first when the fault fires in forward
+        x, y, _ = unpack(batch, self.kind)
+        self.train_count.update(torch.ones(len(x)))
+        self.train_ys.update(y[:, 0])
+        return loss
+
+    def validation_step(self, batch: object, batch_idx: int) -> None:
+        x, y, _ = unpack(batch, self.kind)
+        self.val_metrics["count"].update(torch.ones(len(x)))
+        self.val_metrics["mean_y"].update(y[:, 0])
+        super().validation_step(batch, batch_idx)  # raises after the updates when the fault fires
+
+
+@pytest.mark.parametrize("where", ["backward", "validation"])
+def test_a_replay_does_not_count_twice_in_torchmetrics(where: str) -> None:
+    model = Counted(fault=Fault(where, limit=16, steps=lambda s: where == "validation" or s in (0, 1)))
+    data = loader(N * STEPS, N)
+    fit(model, data, [ElasticBatchSize(grow=False)], val=loader(N, N), max_epochs=1, limit_val_batches=1)
+    assert model.fault is not None and model.fault.hits  # the fault fired
+    assert model.train_count.compute().item() == N * STEPS
+    ys = torch.cat([unpack(b, "tuple")[1][:, 0] for b in data])
+    assert torch.equal(model.train_ys.compute(), ys)  # each sample once, in order
+    assert model.val_metrics["count"].compute().item() == N
