@@ -70,24 +70,29 @@ class _Owners:
         self.owner = owner
         self.pairs = self._pairs()
 
+    def optimizers(self) -> list[Optimizer]:
+        """Each optimizer that updates some parameter, once."""
+        return list({id(opt): opt for opt, _ in self.owner.values()}.values())
+
     def _pairs(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """(user group, group that updates some of its parameters), each target once. Recomputed after a load:
         ``Optimizer.load_state_dict`` replaces the group dicts."""
-        owner = self.owner
-        targets: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-        for group in self.groups:
+        group_of: dict[int, dict[str, Any]] = {}  # id(key tensor) -> the group of its optimizer that holds it
+        for opt in self.optimizers():
+            group_of.update({id(t): g for g in opt.param_groups for t in g["params"]})
+        targets: dict[int, tuple[int, dict[str, Any]]] = {}
+        for index, group in enumerate(self.groups):
             for p in group["params"]:
-                if p not in owner:
-                    continue
-                opt, key = owner[p]
-                target = next(g for g in opt.param_groups if any(t is key for t in g["params"]))
-                targets.setdefault(id(target), (group, target))
-        return list(targets.values())
+                if p in self.owner:
+                    target = group_of[id(self.owner[p][1])]
+                    targets.setdefault(id(target), (index, target))
+        return [(self.groups[index], target) for index, target in targets.values()]
 
     def sync(self) -> None:
         """Copy the hyper-parameters of each user group into the groups that update its parameters."""
+        values = {id(group): hyperparameters(group) for group in self.groups}
         for group, target in self.pairs:
-            target.update(hyperparameters(group))
+            target.update(values[id(group)])
 
     def state_dict(self) -> dict[str, Any]:
         """The state in ``torch.optim.Optimizer.state_dict``'s layout, indexed over the user's groups."""
@@ -124,7 +129,7 @@ class _Owners:
                 if p in self.owner and index in saved_state:
                     by_key[id(self.owner[p][1])] = (p, saved_state[index])
             group.update({k: v for k, v in saved.items() if k != "params"})
-        for opt in {id(o): o for o, _ in self.owner.values()}.values():
+        for opt in self.optimizers():
             state: dict[int, Any] = {}
             layout = []
             index = 0

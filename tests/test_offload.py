@@ -58,7 +58,7 @@ def layout_step(owners: _Owners, copies: list[tuple[nn.Parameter, torch.Tensor]]
     owners.sync()
     for p, host in copies:
         host.grad = p.grad.clone()
-    for opt in {id(o): o for o, _ in owners.owner.values()}.values():
+    for opt in owners.optimizers():
         opt.step()
     with torch.no_grad():
         for p, host in copies:
