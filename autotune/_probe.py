@@ -194,6 +194,15 @@ def _probe_cuda(index: int) -> MemoryProbe:
     )
 
 
+def process_device_bytes(index: int) -> int | None:
+    """What NVML counts for this process on CUDA device ``index`` (its CUDA context included); None where NVML is
+    unavailable or does not list the process (another PID namespace, no context yet)."""
+    try:
+        return _nvml_reading(str(torch.cuda.get_device_properties(index).uuid))[4]
+    except _NvmlUnavailable:
+        return None
+
+
 class _NvmlUnavailable(Exception):
     """NVML is not installed, does not start, or does not know the device."""
 

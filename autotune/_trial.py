@@ -309,9 +309,9 @@ def _peak_bytes(device: Any) -> int:
         return peak_rss_bytes()
     import torch
 
-    from autotune._probe import probe_memory
+    from autotune._probe import process_device_bytes
 
     reserved_now = torch.cuda.memory_reserved(device)
-    process_now = probe_memory(device).process_reserved_bytes  # NVML's figure for this process when it has one
-    context = max(0, process_now - reserved_now)
+    process_now = process_device_bytes(device.index or 0)  # None where NVML does not list this process
+    context = max(0, process_now - reserved_now) if process_now is not None else 0
     return torch.cuda.max_memory_reserved(device) + context

@@ -172,15 +172,22 @@ def plans(*, quick: bool = False, device: str = "cpu") -> list[Plan]:
 def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str | torch.device = "cpu") -> int:
     """The measured peak of the second real training step of ``model`` (a copy) with ``plan`` on ``batch``.
 
-    CPU: tensor bytes alive at the peak, from the profiler's allocator events; CUDA: ``max_memory_allocated``.
+    CPU: tensor bytes alive at the peak, from the profiler's allocator events; CUDA: ``max_memory_allocated``
+    less what was allocated before the copy reached the device (earlier measurements' leftovers).
     """
     device = torch.device(device)
+    base = 0
+    if device.type == "cuda":
+        gc.collect()  # checkpointed blocks of an earlier measurement sit in reference cycles
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
     model = copy.deepcopy(model).to(device).train()
     precision = _precision_plugin(plan.precision, device)
     if precision is not None and hasattr(precision, "convert_module") and plan.precision.endswith("-true"):
         model = precision.convert_module(model)
+    undo = _nothing_to_undo
     if plan.activation_checkpointing:
-        checkpoint_blocks(select_blocks(model, plan.activation_checkpointing))
+        undo = checkpoint_blocks(select_blocks(model, plan.activation_checkpointing))
     optimizer = _optimizer(model)
     if plan.optimizer_offload:
         optimizer = OffloadedOptimizer(optimizer, refresh_grads=False)
@@ -204,14 +211,23 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if device.type == "cuda":
-            step()
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            step()
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device)
-        return _profiled_cpu_peak(model, batch, step)
+        try:
+            if device.type == "cuda":
+                step()
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                step()
+                torch.cuda.synchronize(device)
+                return torch.cuda.max_memory_allocated(device) - base
+            return _profiled_cpu_peak(model, batch, step)
+        finally:
+            undo()
+            if isinstance(optimizer, OffloadedOptimizer):
+                optimizer.close()
+
+
+def _nothing_to_undo() -> None:
+    pass
 
 
 def _optimizer(model: LightningModule) -> torch.optim.Optimizer:

@@ -209,12 +209,15 @@ def _grads_change_after_backward(trainer: Trainer, pl_module: LightningModule) -
 
 def _set_expandable_segments() -> None:
     current = os.environ.get(_ALLOC_CONF, "")
-    if "expandable_segments:True" in current:
-        return
-    if torch.cuda.is_initialized():
-        raise MisconfigurationException(
-            "ApplyPlan(expandable_segments=True) must act before CUDA starts, but CUDA is already initialized. "
-            f"Start the run with {_ALLOC_CONF}=expandable_segments:True in the environment, or create the callback "
-            "before anything touches CUDA."
-        )
-    os.environ[_ALLOC_CONF] = f"{current},expandable_segments:True" if current else "expandable_segments:True"
+    if "expandable_segments:True" not in current:
+        if torch.cuda.is_initialized():
+            raise MisconfigurationException(
+                "ApplyPlan(expandable_segments=True) must act before CUDA starts, but CUDA is already initialized. "
+                f"Start the run with {_ALLOC_CONF}=expandable_segments:True in the environment, or create the "
+                "callback before anything touches CUDA."
+            )
+        os.environ[_ALLOC_CONF] = f"{current},expandable_segments:True" if current else "expandable_segments:True"
+    # Also tell the allocator directly: it may have read the environment when torch was imported.
+    set_allocator_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_allocator_settings is not None:
+        set_allocator_settings("expandable_segments:True")

@@ -86,6 +86,7 @@ class ElasticBatchSize(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._restore: list[tuple[Any, str, bool, Any]] = []
         self._fraction_set_on: torch.device | None = None
+        self._fraction_before = 1.0
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -141,11 +142,13 @@ class ElasticBatchSize(Callback):
             return None, probe.total_bytes if device.type == "cuda" else probe.free_bytes
         budget_bytes = self.budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
         if device.type == "cuda":
-            fraction = min(1.0, budget_bytes / probe.total_bytes)
+            allocator_total = torch.cuda.mem_get_info(device)[1]  # what the fraction multiplies (NVML's may differ)
+            fraction = min(1.0, budget_bytes / allocator_total)
+            self._fraction_before = torch.cuda.get_per_process_memory_fraction(device)
             torch.cuda.set_per_process_memory_fraction(fraction, device)
             self._fraction_set_on = device
             log.info("autotune: CUDA allocator capped at %s (%.3f of %s)", format_bytes(budget_bytes), fraction,
-                     format_bytes(probe.total_bytes))
+                     format_bytes(allocator_total))
         return budget_bytes, budget_bytes
 
     def _patch(self, obj: Any, name: str, new: Any) -> None:
@@ -213,7 +216,7 @@ class ElasticBatchSize(Callback):
                 obj.__dict__.pop(name, None)
         self._restore = []
         if self._fraction_set_on is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, self._fraction_set_on)
+            torch.cuda.set_per_process_memory_fraction(self._fraction_before, self._fraction_set_on)
             self._fraction_set_on = None
 
     # -------------------------------------------------------------------------------------------- per batch
