@@ -3,16 +3,16 @@
 The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
 (:mod:`autotune._apply`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
 every storage under parameters, gradients, optimizer state, activations or temporaries while it lives. The step is
-Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes
-the optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones
-of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are
-those at that moment. CPU convolutions add their kernels' work buffers (:func:`_cpu_conv_workspace`). On CUDA each
-allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces (:func:`cuda_overhead_bytes`; the CUDA
-context is outside ``max_memory_allocated``), plus DDP's gradient buckets and the runtime's averaging buffers
-under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu``
-keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update of the parameters torchao offloads runs on the host:
-the device keeps their gradients, the host their pinned copies, gradients and optimizer state (``host_bytes``).
-``compile`` is not traced: the estimate is the eager step.
+Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes the
+optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones of
+``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are those at
+that moment. CPU convolutions add their kernels' work buffers (:func:`autotune._fake_step.cpu_conv_workspace`, with the
+step's other parts). On CUDA each allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces
+(:func:`cuda_overhead_bytes`; the CUDA context is outside ``max_memory_allocated``), plus DDP's gradient buckets and the
+runtime's averaging buffers under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the
+CPU ``save_on_cpu`` keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update
+of the parameters torchao offloads runs on the host: the device keeps their gradients, the host their pinned copies,
+gradients and optimizer state (``host_bytes``). ``compile`` is not traced: the estimate is the eager step.
 """
 
 from __future__ import annotations
@@ -20,23 +20,32 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from autotune._apply import checkpoint_blocks, offload_activations, select_blocks
 from autotune._batch import batch_size_of, slice_batch
 from autotune._budget import Budget, BudgetSpec
 from autotune._microbatch import GRADIENT_BUCKET_BYTES
-from autotune._offload import constructor_defaults, device_part, hyperparameters, is_offloaded
+from autotune._fake_step import (
+    OptimizerFactory,
+    bytes_of,
+    convert_model,
+    fake_batch,
+    like_cuda_run,
+    loss_of,
+    offloaded_host_bytes,
+    optimizers_of,
+    precision_plugin,
+    step_tracker,
+)
+from autotune._offload import device_part, is_offloaded
 from autotune._plan import Plan
 from autotune._probe import DeviceSpec, probe_memory, resolve_device
 
@@ -48,15 +57,12 @@ if TYPE_CHECKING:
 __all__ = ["Estimate", "TargetEstimate", "cuda_overhead_bytes", "default_plans", "estimate", "estimate_target",
            "first_batch", "max_micro_batch_size"]
 
-OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
-
 _TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "overhead")
 #: cuBLAS's workspace per handle and stream (torch's CublasHandlePool defaults); a step uses two handles.
 _CUBLAS_WORKSPACE_SM90 = 32 * 2**20
 _CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * 2**10 + 8 * 16 * 2**10
 _CUBLAS_HANDLES_PER_STEP = 2
-_CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (MemTracker applies it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,7 +308,7 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
     from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
     plan, device, size = traces.plan, traces.device, traces.size
-    precision = _precision_plugin(plan.precision, device)
+    precision = precision_plugin(plan.precision, device)
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
     accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -312,21 +318,21 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
     with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
         warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        _convert(fake, device, getattr(precision, "_desired_input_dtype", None))
+        convert_model(fake, device, getattr(precision, "_desired_input_dtype", None))
         fake.train()
         if plan.activation_checkpointing:
             checkpoint_blocks(select_blocks(fake, plan.activation_checkpointing))
-        optimizers = _optimizers(fake, traces.optimizer, device)
+        optimizers = optimizers_of(fake, traces.optimizer, device)
         offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
-        host_bytes = _offloaded_host_bytes(optimizers) if offloaded else 0
+        host_bytes = offloaded_host_bytes(optimizers) if offloaded else 0
         if offloaded:  # the device runs the update of the small parameters only
-            optimizers = _like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
-        inputs, input_tensors = _fake_batch(mode, part, device, precision)
+            optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
+        inputs, input_tensors = fake_batch(mode, part, device, precision)
 
         def step(*, zero_grad: bool) -> None:  # forward (last gradients alive), zero_grad, backward, update
             with offload_activations(pin_memory=False) if plan.activation_offload else contextlib.nullcontext():
                 with precision.forward_context() if precision is not None else contextlib.nullcontext():
-                    loss = _loss_of(fake, fake.training_step(inputs, 0))
+                    loss = loss_of(fake, fake.training_step(inputs, 0))
                 if zero_grad:
                     for opt in optimizers:
                         opt.zero_grad(set_to_none=True)
@@ -339,7 +345,7 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
 
         try:
             step(zero_grad=True)  # the first step makes the gradients and the optimizer state
-            tracker = _step_tracker()
+            tracker = step_tracker()
             tracker.track_external(fake, *optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             with tracker:
@@ -349,63 +355,13 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
             raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
                              f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "
                              "tensor values (such as .item() or data-dependent shapes)") from error
-        state_bytes = _bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device)
+        state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device)
         trained = (p for p in fake.parameters() if p.requires_grad)
-        grad_bytes = _bytes_of(trained, device) if plan.strategy == "ddp" else 0
+        grad_bytes = bytes_of(trained, device) if plan.strategy == "ddp" else 0
         # DDP's own buckets (one more gradient) and the runtime's averaging buffers (up to two buckets).
         ddp_bytes = grad_bytes + min(grad_bytes, 2 * GRADIENT_BUCKET_BYTES)
     return _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
                           state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
-
-
-def _step_tracker() -> Any:
-    """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
-    buffers CPU convolutions allocate inside their kernels."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class StepTracker(MemTracker):
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            extra = _cpu_conv_workspace(func, args, out)
-            snap = self._curr_mem_snap.get(args[0].device) if extra else None
-            if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
-                for key in (_MemRefType.TEMP, "Total"):
-                    snap[key] += extra
-                self._update_peak_stats(None)
-                for key in (_MemRefType.TEMP, "Total"):
-                    snap[key] -= extra
-            return out
-
-    return StepTracker()
-
-
-def _cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
-    """Bytes a CPU convolution allocates and frees inside its kernel, unseen by any dispatch mode.
-
-    Measured with the profiler: the im2col kernel (``Slow2d``, e.g. bf16 without AVX512-BF16) holds a column buffer
-    of ``batch x C_in x kh x kw x H_out x W_out`` in forward and in backward; oneDNN (``Mkldnn``) holds a copy of
-    the output in forward, and of the output's gradient and the input's gradient in backward.
-    """
-    aten = torch.ops.aten
-    if func not in (aten.convolution.default, aten.convolution_backward.default) or args[0].device.type != "cpu":
-        return 0
-    backward = func is aten.convolution_backward.default
-    grad_out, (x, weight), rest = (args[0], args[1:3], args[4:10]) if backward else (None, args[:2], args[3:9])
-    backend = getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", "")
-    if backend == "Slow2d":
-        out_hw = (grad_out if backward else out).shape[2:]
-        return x.shape[0] * x.shape[1] * math.prod(weight.shape[2:]) * math.prod(out_hw) * x.element_size()
-    if backend == "Mkldnn":
-        if not backward:
-            return out.numel() * out.element_size()
-        return grad_out.numel() * grad_out.element_size() + (x.numel() * x.element_size() if args[-1][0] else 0)
-    return 0
 
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
@@ -427,113 +383,5 @@ def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.d
     }
     return Estimate(plan=plan.replace(micro_batch_size=micro), micro_batch_size=micro, device=str(device),
                     predicted_peak_bytes=sum(parts.values()), host_bytes=host + extra_host, **parts)
-
-
-def _convert(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """``model.to(device, dtype)`` for a fake copy (``Module.to`` cannot swap fake parameters); ties are kept."""
-    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-
-    done: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, t in tensors.items():
-                if t is not None and id(t) not in done:
-                    new = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                    is_param = isinstance(t, nn.Parameter)
-                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
-                if t is not None:
-                    tensors[name] = done[id(t)]
-        if isinstance(module, _DeviceDtypeModuleMixin):  # what ``self.device`` and ``self.dtype`` answer
-            module._device = device
-            module._dtype = dtype or module._dtype
-
-
-def _precision_plugin(precision: str, device: torch.device) -> Any:
-    """Lightning's plugin for ``precision`` (None for 32-true): the autocast or dtype the Trainer applies."""
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
-
-    if precision.endswith("-mixed"):  # a GradScaler only scales the loss: leave it out (it wants a real device)
-        return MixedPrecision(precision, device=device.type, scaler=None if precision == "bf16-mixed" else object())
-    return HalfPrecision(precision) if precision in ("bf16-true", "16-true") else None
-
-
-def _optimizers(model: LightningModule, factory: OptimizerFactory | None, device: torch.device) -> list[Any]:
-    if factory is not None:
-        optimizers = [factory(model.parameters())]
-    else:
-        from lightning.pytorch.core.optimizer import _configure_optimizers
-
-        model._trainer = SimpleNamespace(  # type: ignore[assignment]  # the trainer of an endless run
-            estimated_stepping_batches=math.inf, max_steps=-1, max_epochs=None, num_devices=1, world_size=1,
-            global_rank=0, local_rank=0)
-        try:
-            config = model.configure_optimizers()
-        except AttributeError as error:
-            raise ValueError(f"{type(model).__name__}.configure_optimizers() needs a Trainer the estimator does not "
-                             f"have ({error}); pass optimizer= to estimate()") from error
-        finally:
-            model._trainer = None
-        optimizers = [getattr(opt, "optimizer", opt) for opt in _configure_optimizers(config)[0]]
-    if not optimizers:
-        raise ValueError(f"{type(model).__name__}.configure_optimizers() returned no optimizer; nothing to estimate")
-    return _like_cuda_run(optimizers, device)
-
-
-def _like_cuda_run(optimizers: list[Any], device: torch.device) -> list[Any]:
-    """torch picks foreach for real CUDA tensors, not for fake ones: pick what a run would."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            if device.type == "cuda" and "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
-    return optimizers
-
-
-def _offloaded_host_bytes(optimizers: list[Any]) -> int:
-    """Host bytes of ``optimizer_offload``: pinned copies of each offloaded parameter and its gradient, and the
-    optimizer state of the host-side update (made by one update of fake host copies)."""
-    total = 0
-    for opt in optimizers:
-        groups = []
-        for group in opt.param_groups:
-            host = [nn.Parameter(torch.empty_like(p, device="cpu")) for p in group["params"] if is_offloaded(p)]
-            for h in host:
-                h.grad = torch.empty_like(h)
-            if host:
-                groups.append({**hyperparameters(group), "params": host})
-                total += 2 * _bytes_of(host, torch.device("cpu"))
-        if groups:
-            host_opt = type(opt)(groups, **constructor_defaults(opt))
-            host_opt.step()
-            total += _bytes_of((t for s in host_opt.state.values() for t in s.values()), torch.device("cpu"))
-    return total
-
-
-def _fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The batch as fake tensors on ``device`` in the plan's input dtype, and its tensors."""
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t).to(device))
-    fake = precision.convert_input(fake) if precision is not None else fake
-    found: list[torch.Tensor] = []
-    apply_to_collection(fake, torch.Tensor, found.append)
-    return fake, found
-
-
-def _loss_of(model: nn.Module, output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"{type(model).__name__}.training_step returned {type(output).__name__}, not a loss tensor "
-                         "or a dict with 'loss'; the estimator traces steps that return a loss")
-    return loss
-
-
-def _bytes_of(tensors: Iterable[Any], device: torch.device) -> int:
-    """Bytes of the distinct storages of the tensors on ``device`` (the rest ignored), rounded to 512 B on CUDA."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == device.type:
-            nbytes = t.untyped_storage().nbytes()
-            seen[t.untyped_storage()._cdata] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
-    return sum(seen.values())
 
 

@@ -146,7 +146,8 @@ def test_optimizer_offload_is_refused_off_cuda_and_with_ddp() -> None:
     with pytest.raises(MisconfigurationException, match=r"optimizer_offload=True\) moves optimizer state from a CUDA "
                        r"GPU to the host, but this run is on cpu"):
         trainer([ApplyPlan(optimizer_offload=True)], max_steps=1).fit(BoringModel())
-    with pytest.raises(ValueError, match="optimizer_offload runs on one GPU; it cannot be combined with strategy 'ddp'"):
+    with pytest.raises(ValueError, match="optimizer_offload runs on one GPU; it cannot be combined with strategy "
+                       "'ddp'"):
         Plan(strategy="ddp", optimizer_offload=True)
     assert _unrunnable("optimizer_offload", True, torch.device("cpu"), 8) == "it only has an effect on CUDA"
     assert _unrunnable("optimizer_offload", False, torch.device("cpu"), 8) is None

@@ -1,0 +1,179 @@
+"""The parts of the estimator's fake training step: the memory tracker, the model, precision, optimizers, batch and
+loss as a run has them, traced on fake tensors (see :mod:`autotune._estimate`, which runs the step)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autotune._offload import constructor_defaults, hyperparameters, is_offloaded
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+_CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (MemTracker applies it)
+
+
+def step_tracker() -> Any:
+    """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
+    buffers CPU convolutions allocate inside their kernels."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class StepTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            extra = cpu_conv_workspace(func, args, out)
+            snap = self._curr_mem_snap.get(args[0].device) if extra else None
+            if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] += extra
+                self._update_peak_stats(None)
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] -= extra
+            return out
+
+    return StepTracker()
+
+
+def cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
+    """Bytes a CPU convolution allocates and frees inside its kernel, unseen by any dispatch mode.
+
+    Measured with the profiler: the im2col kernel (``Slow2d``, e.g. bf16 without AVX512-BF16) holds a column buffer
+    of ``batch x C_in x kh x kw x H_out x W_out`` in forward and in backward; oneDNN (``Mkldnn``) holds a copy of
+    the output in forward, and of the output's gradient and the input's gradient in backward.
+    """
+    aten = torch.ops.aten
+    if func not in (aten.convolution.default, aten.convolution_backward.default) or args[0].device.type != "cpu":
+        return 0
+    backward = func is aten.convolution_backward.default
+    grad_out, (x, weight), rest = (args[0], args[1:3], args[4:10]) if backward else (None, args[:2], args[3:9])
+    backend = getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", "")
+    if backend == "Slow2d":
+        out_hw = (grad_out if backward else out).shape[2:]
+        return x.shape[0] * x.shape[1] * math.prod(weight.shape[2:]) * math.prod(out_hw) * x.element_size()
+    if backend == "Mkldnn":
+        if not backward:
+            return out.numel() * out.element_size()
+        return grad_out.numel() * grad_out.element_size() + (x.numel() * x.element_size() if args[-1][0] else 0)
+    return 0
+
+
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """``model.to(device, dtype)`` for a fake copy (``Module.to`` cannot swap fake parameters); ties are kept."""
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None and id(t) not in done:
+                    new = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                    is_param = isinstance(t, nn.Parameter)
+                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+                if t is not None:
+                    tensors[name] = done[id(t)]
+        if isinstance(module, _DeviceDtypeModuleMixin):  # what ``self.device`` and ``self.dtype`` answer
+            module._device = device
+            module._dtype = dtype or module._dtype
+
+
+def precision_plugin(precision: str, device: torch.device) -> Any:
+    """Lightning's plugin for ``precision`` (None for 32-true): the autocast or dtype the Trainer applies."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    if precision.endswith("-mixed"):  # a GradScaler only scales the loss: leave it out (it wants a real device)
+        return MixedPrecision(precision, device=device.type, scaler=None if precision == "bf16-mixed" else object())
+    return HalfPrecision(precision) if precision in ("bf16-true", "16-true") else None
+
+
+def optimizers_of(model: LightningModule, factory: OptimizerFactory | None, device: torch.device) -> list[Any]:
+    if factory is not None:
+        optimizers = [factory(model.parameters())]
+    else:
+        from lightning.pytorch.core.optimizer import _configure_optimizers
+
+        model._trainer = SimpleNamespace(  # type: ignore[assignment]  # the trainer of an endless run
+            estimated_stepping_batches=math.inf, max_steps=-1, max_epochs=None, num_devices=1, world_size=1,
+            global_rank=0, local_rank=0)
+        try:
+            config = model.configure_optimizers()
+        except AttributeError as error:
+            raise ValueError(f"{type(model).__name__}.configure_optimizers() needs a Trainer the estimator does not "
+                             f"have ({error}); pass optimizer= to estimate()") from error
+        finally:
+            model._trainer = None
+        optimizers = [getattr(opt, "optimizer", opt) for opt in _configure_optimizers(config)[0]]
+    if not optimizers:
+        raise ValueError(f"{type(model).__name__}.configure_optimizers() returned no optimizer; nothing to estimate")
+    return like_cuda_run(optimizers, device)
+
+
+def like_cuda_run(optimizers: list[Any], device: torch.device) -> list[Any]:
+    """torch picks foreach for real CUDA tensors, not for fake ones: pick what a run would."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if device.type == "cuda" and "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+    return optimizers
+
+
+def offloaded_host_bytes(optimizers: list[Any]) -> int:
+    """Host bytes of ``optimizer_offload``: pinned copies of each offloaded parameter and its gradient, and the
+    optimizer state of the host-side update (made by one update of fake host copies)."""
+    total = 0
+    for opt in optimizers:
+        groups = []
+        for group in opt.param_groups:
+            host = [nn.Parameter(torch.empty_like(p, device="cpu")) for p in group["params"] if is_offloaded(p)]
+            for h in host:
+                h.grad = torch.empty_like(h)
+            if host:
+                groups.append({**hyperparameters(group), "params": host})
+                total += 2 * bytes_of(host, torch.device("cpu"))
+        if groups:
+            host_opt = type(opt)(groups, **constructor_defaults(opt))
+            host_opt.step()
+            total += bytes_of((t for s in host_opt.state.values() for t in s.values()), torch.device("cpu"))
+    return total
+
+
+def fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The batch as fake tensors on ``device`` in the plan's input dtype, and its tensors."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t).to(device))
+    fake = precision.convert_input(fake) if precision is not None else fake
+    found: list[torch.Tensor] = []
+    apply_to_collection(fake, torch.Tensor, found.append)
+    return fake, found
+
+
+def loss_of(model: nn.Module, output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"{type(model).__name__}.training_step returned {type(output).__name__}, not a loss tensor "
+                         "or a dict with 'loss'; the estimator traces steps that return a loss")
+    return loss
+
+
+def bytes_of(tensors: Iterable[Any], device: torch.device) -> int:
+    """Bytes of the distinct storages of the tensors on ``device`` (the rest ignored), rounded to 512 B on CUDA."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == device.type:
+            nbytes = t.untyped_storage().nbytes()
+            seen[t.untyped_storage()._cdata] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
+    return sum(seen.values())
