@@ -4,15 +4,15 @@ The runtime callbacks live in :mod:`autotune.callbacks`; this package holds the 
 and the memory tools (probe, budget). Optuna and matplotlib are imported only by the search and report paths.
 """
 
-from autotune._budget import Budget
-from autotune._estimate import Estimate, estimate
-from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._plan import PRECISIONS, STRATEGIES, Plan, Provenance
-from autotune._probe import MemoryProbe, probe_memory
-from autotune._search import NoFeasiblePlanError, SearchResult, search
-from autotune._space import SearchSpace, SpaceError, available_spaces, load_space
-from autotune._target import Target, TargetError, load_target
-from autotune._tuned import PlanFileError, load_plan
+from autotune._device.budget import Budget
+from autotune._estimate.estimate import Estimate, estimate
+from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance
+from autotune._device.probe import MemoryProbe, probe_memory
+from autotune._search.search import NoFeasiblePlanError, SearchResult, search
+from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
+from autotune._target.target import Target, TargetError, load_target
+from autotune._plan.tuned import PlanFileError, load_plan
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from autotune._cli import main
+from autotune._cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

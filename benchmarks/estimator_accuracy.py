@@ -9,7 +9,7 @@ fresh weights and its peak is measured by code that shares nothing with the esti
 - CUDA: ``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats()``.
 
 The real step is the one Lightning runs with the plan's callbacks: the plan's precision through Lightning's
-precision plugins, checkpointing through ``autotune._apply`` (what ``ApplyPlan`` calls), offload through
+precision plugins, checkpointing through ``autotune._runtime.blocks`` (what ``ApplyPlan`` calls), offload through
 ``save_on_cpu`` (pinned on CUDA), and, when the micro-batch is smaller than the batch, one forward and backward
 per micro-batch accumulating into the gradients (``ElasticBatchSize``), with ``zero_grad`` after the first
 forward and one ``optimizer.step()`` at the end. One warm-up step comes first (it makes the optimizer state); the
@@ -57,10 +57,10 @@ if str(ROOT) not in sys.path:
 from model import GPT  # noqa: E402
 
 from autotune import Plan, probe_memory  # noqa: E402
-from autotune._apply import checkpoint_blocks, offload_activations, select_blocks  # noqa: E402
-from autotune._batch import batch_size_of, slice_batch  # noqa: E402
-from autotune._estimate import estimate  # noqa: E402
-from autotune._offload import OffloadedOptimizer  # noqa: E402
+from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks  # noqa: E402
+from autotune._runtime.batch import batch_size_of, slice_batch  # noqa: E402
+from autotune._estimate.estimate import estimate  # noqa: E402
+from autotune._runtime.offload import OffloadedOptimizer  # noqa: E402
 
 #: The models measured: three sizes of the example GPT (the first is ``examples/gpt/train.py:make``), an MLP of
 #: residual blocks and a small CNN with BatchNorm. Each batch holds 16 samples.

@@ -100,11 +100,11 @@ def _objective(target: str, space_spec: str, budget: str, device: str, steps: in
     ``early_stop=False`` measures every trial in full; ``prior`` (plan description -> TrialResult) answers plans
     already measured, as the search's own cache does.
     """
-    from autotune._budget import Budget
-    from autotune._probe import probe_memory, resolve_device
-    from autotune._search import _Objective
-    from autotune._space import load_space
-    from autotune._target import load_target
+    from autotune._device.budget import Budget
+    from autotune._device.probe import probe_memory, resolve_device
+    from autotune._search.search import _Objective
+    from autotune._plan.space import load_space
+    from autotune._target.target import load_target
 
     class _Full(_Objective):
         def _stop_below(self, study: Any) -> float | None:
@@ -136,9 +136,9 @@ def run_exhaustive(case: Case, budget: str, device: str, steps: int, warmup: int
     """
     import optuna
 
-    from autotune._search import _TrialCrashed
-    from autotune._storage import open_storage
-    from autotune._trial import TrialResult
+    from autotune._search.search import _TrialCrashed
+    from autotune._search.storage import open_storage
+    from autotune._search.trial import TrialResult
 
     prior = None
     if base is not None:
@@ -167,7 +167,7 @@ def run_exhaustive(case: Case, budget: str, device: str, steps: int, warmup: int
 
 def run_ours(case: Case, budget: str, device: str, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
     """``autotune.search`` as shipped; returns its plan, wall time and the trials in order."""
-    from autotune._search import search
+    from autotune._search.search import search
 
     start = time.perf_counter()
     result = search(target=case.target, budget=budget, space=case.space, trials=case.trials,
@@ -199,7 +199,7 @@ def remeasure_side_by_side(case: Case, budget: str, device: str, steps: int, war
                            rounds: int) -> list[dict[str, Any]]:
     """Measure each plan ``rounds`` times with ``steps`` timed steps, interleaved (round r runs them all, in an
     order rotated by r); the median throughput and the largest peak of each."""
-    from autotune._space import plan_from_params
+    from autotune._plan.space import plan_from_params
 
     runner, _ = _objective(case.target, case.space, budget, device, steps, warmup, early_stop=False)
     runs: list[list[Any]] = [[] for _ in plans]

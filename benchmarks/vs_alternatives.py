@@ -78,7 +78,7 @@ def _child(fn_name: str, args: tuple[Any, ...], out: str) -> None:
 
 def in_fresh_process(fn_name: str, *args: Any, timeout: float = 900.0) -> dict[str, Any]:
     """Run ``fn_name(*args)`` (a function of this module) in a fresh process of the trial runner's fork server."""
-    from autotune._trial import _context
+    from autotune._search.trial import _context
 
     with tempfile.TemporaryDirectory(prefix="autotune-alt-") as tmp:
         out = Path(tmp) / "out.json"
@@ -95,8 +95,8 @@ def in_fresh_process(fn_name: str, *args: Any, timeout: float = 900.0) -> dict[s
 
 def floor_worker(target: str) -> dict[str, Any]:
     """The process's resident set after building the model and data, before any training."""
-    from autotune._memory import current_rss_bytes
-    from autotune._target import load_target
+    from autotune._device.meter import current_rss_bytes
+    from autotune._target.target import load_target
 
     tgt = load_target(target)
     if tgt.datamodule is not None:
@@ -111,8 +111,8 @@ def batch_size_finder_worker(target: str, device: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.tuner import Tuner
 
-    from autotune._memory import peak_rss_bytes
-    from autotune._target import load_target
+    from autotune._device.meter import peak_rss_bytes
+    from autotune._target.target import load_target
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
     tgt = load_target(target)
@@ -138,7 +138,7 @@ def batch_target(target: str, batch_size: int, folder: Path) -> str:
     """A target file that builds ``target`` with the dataloader's batch size set to ``batch_size``."""
     path = folder / f"batch_{batch_size}.py"
     path.write_text(
-        "from autotune._target import load_target\n\n\n"
+        "from autotune._target.target import load_target\n\n\n"
         "def make():\n"
         f"    t = load_target({target!r})\n"
         f"    t.datamodule.batch_size = {batch_size}\n"
@@ -148,7 +148,7 @@ def batch_target(target: str, batch_size: int, folder: Path) -> str:
 
 
 def measure(target: str, plan: dict[str, Any], budget: str, device: str, *, steps: int, warmup: int) -> Any:
-    from autotune._trial import TrialSpec, run_trial
+    from autotune._search.trial import TrialSpec, run_trial
 
     return run_trial(TrialSpec(target=target, config=None, plan=plan, budget=budget, device=device, steps=steps,
                                warmup=warmup))
@@ -162,7 +162,7 @@ def halving(target: str, batch: int, budget: str, budget_bytes: int, device: str
             first: Any) -> dict[str, Any]:
     """Micro-batch ``batch``, halved while a run is over the budget (fp32, no other change). ``first`` is the run
     at micro-batch ``batch`` already made (the naive run), counted in the time."""
-    from autotune._plan import Plan
+    from autotune._plan.plan import Plan
 
     tried = []
     micro = batch
@@ -180,9 +180,9 @@ def halving(target: str, batch: int, budget: str, budget_bytes: int, device: str
 
 
 def tuned(case: Case, budget: str, device: str, trials: int, steps: int, warmup: int, folder: Path) -> dict[str, Any]:
-    from autotune._search import search
+    from autotune._search.search import search
 
-    from autotune._search import NoFeasiblePlanError
+    from autotune._search.search import NoFeasiblePlanError
 
     start = time.perf_counter()
     try:
@@ -275,7 +275,7 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> dict[str, An
 
 
 def _plan(**fields: Any) -> Any:
-    from autotune._plan import Plan
+    from autotune._plan.plan import Plan
 
     return Plan(**fields)
 

@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from autotune._apply import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
-from autotune._offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
-from autotune._plan import Plan, Provenance
+from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
+from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
+from autotune._plan.plan import Plan, Provenance
 
 log = logging.getLogger("autotune")
 
@@ -130,7 +130,7 @@ class ApplyPlan(Callback):
         measured = self.plan.provenance.device_name
         if not measured:
             return
-        from autotune._probe import probe_memory
+        from autotune._device.probe import probe_memory
 
         here = probe_memory(device).name
         if here != measured:

@@ -14,9 +14,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from autotune._budget import Budget, format_bytes
-from autotune._microbatch import ElasticEngine, ElasticEvent
-from autotune._probe import probe_memory
+from autotune._device.budget import Budget, format_bytes
+from autotune._runtime.microbatch import ElasticEngine, ElasticEvent
+from autotune._device.probe import probe_memory
 
 log = logging.getLogger("autotune")
 

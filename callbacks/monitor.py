@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from autotune._budget import format_bytes
-from autotune._memory import MemoryMeter, current_rss_bytes
-from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._device.budget import format_bytes
+from autotune._device.meter import MemoryMeter, current_rss_bytes
+from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune.callbacks.elastic import ElasticBatchSize
 
 log = logging.getLogger("autotune")

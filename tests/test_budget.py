@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from autotune._budget import Budget, format_bytes
+from autotune._device.budget import Budget, format_bytes
 
 GIB = 2**30
 MIB = 2**20

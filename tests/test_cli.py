@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autotune
-from autotune._budget import format_bytes
-from autotune._cli import main
+from autotune._device.budget import format_bytes
+from autotune._cli.main import main
 
 KEYS = {
     "device",

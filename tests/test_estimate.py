@@ -12,10 +12,10 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 import autotune
-import autotune._estimate as estimator
+import autotune._estimate.estimate as estimator
 from autotune import Estimate, Plan, estimate
-from autotune._cli import main
-from autotune._estimate import max_micro_batch_size
+from autotune._cli.main import main
+from autotune._estimate.estimate import max_micro_batch_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

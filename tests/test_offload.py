@@ -13,9 +13,9 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from autotune import Plan
-from autotune._estimate import _Traces, estimate
-from autotune._offload import OFFLOAD_MIN_NUMEL, _Owners, device_part, hyperparameters, is_offloaded
-from autotune._space import _unrunnable
+from autotune._estimate.estimate import _Traces, estimate
+from autotune._runtime.offload import OFFLOAD_MIN_NUMEL, _Owners, device_part, hyperparameters, is_offloaded
+from autotune._plan.space import _unrunnable
 from autotune.callbacks import ApplyPlan
 from autotune.callbacks.apply_plan import _grads_change_after_backward
 from tests.callbacks.toy import trainer

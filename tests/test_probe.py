@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 
-from autotune._probe import MemoryProbe, probe_memory, resolve_device
+from autotune._device.probe import MemoryProbe, probe_memory, resolve_device
 
 MIB = 2**20
 GIB = 2**30
@@ -174,7 +174,7 @@ def install_fake_pynvml(monkeypatch, *, known_uuids, processes, init_error=None)
 def test_cuda_probe_reads_nvml_for_the_device_with_torch_uuid(fake_cuda, monkeypatch, caplog):
     processes = [{"pid": os.getpid(), "usedGpuMemory": 2 * GIB}, {"pid": 1, "usedGpuMemory": 28 * GIB}]
     nvml = install_fake_pynvml(monkeypatch, known_uuids={f"GPU-{UUIDS[0]}"}, processes=processes)
-    with caplog.at_level(logging.WARNING, logger="autotune._probe"):
+    with caplog.at_level(logging.WARNING, logger="autotune._device.probe"):
         probe = probe_memory("cuda:0")
     assert probe == MemoryProbe(
         device="cuda:0",
@@ -218,7 +218,7 @@ def test_other_processes_never_go_negative(fake_cuda, monkeypatch):
 def test_cuda_probe_falls_back_to_torch_when_nvml_fails(fake_cuda, monkeypatch, caplog):
     error = FakeNVMLError("Driver Not Loaded")
     nvml = install_fake_pynvml(monkeypatch, known_uuids=set(), processes=[], init_error=error)
-    with caplog.at_level(logging.WARNING, logger="autotune._probe"):
+    with caplog.at_level(logging.WARNING, logger="autotune._device.probe"):
         probe = probe_memory("cuda:1")
     assert probe == MemoryProbe(
         device="cuda:1",
@@ -237,7 +237,7 @@ def test_cuda_probe_falls_back_to_torch_when_nvml_fails(fake_cuda, monkeypatch, 
 
 def test_cuda_probe_falls_back_when_nvml_does_not_know_the_device(fake_cuda, monkeypatch, caplog):
     nvml = install_fake_pynvml(monkeypatch, known_uuids=set(), processes=[])
-    with caplog.at_level(logging.WARNING, logger="autotune._probe"):
+    with caplog.at_level(logging.WARNING, logger="autotune._device.probe"):
         probe = probe_memory("cuda:0")
     assert probe.total_bytes == 79 * GIB
     assert nvml.calls[-1] == "shutdown"
@@ -246,7 +246,7 @@ def test_cuda_probe_falls_back_when_nvml_does_not_know_the_device(fake_cuda, mon
 
 def test_cuda_probe_falls_back_without_pynvml(fake_cuda, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
-    with caplog.at_level(logging.WARNING, logger="autotune._probe"):
+    with caplog.at_level(logging.WARNING, logger="autotune._device.probe"):
         probe = probe_memory("cuda:0")
     assert probe.free_bytes == 30 * GIB
     assert "pynvml is not installed" in caplog.text

@@ -14,8 +14,8 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune import load_plan
-from autotune._cli import main
-from autotune._search import NoFeasiblePlanError, search
+from autotune._cli.main import main
+from autotune._search.search import NoFeasiblePlanError, search
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = str(ROOT / "tests" / "fixtures" / "search_target.py")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune._target import Target, TargetError, load_target, target_factory
+from autotune._target.target import Target, TargetError, load_target, target_factory
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "targets"

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from autotune._apply import find_blocks, select_blocks
+from autotune._runtime.blocks import find_blocks, select_blocks
 from autotune.callbacks import ApplyPlan, ElasticBatchSize, apply_plan
 from tests.callbacks.toy import trainer
 

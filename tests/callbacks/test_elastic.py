@@ -228,7 +228,7 @@ class HungryModel(ToyModel):
 
 
 def test_cpu_soft_budget_shrinks_the_next_step_after_an_overshoot() -> None:
-    from autotune._memory import current_rss_bytes
+    from autotune._device.meter import current_rss_bytes
 
     budget = current_rss_bytes() + 400 * 2**20  # room for about 48 samples of scratch, not 64
     model = HungryModel()

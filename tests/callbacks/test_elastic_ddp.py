@@ -45,7 +45,7 @@ def test_oom_on_one_rank_shrinks_all_and_matches_native(native: list[dict], tmp_
 
 
 def test_gradients_travel_in_buckets_cut_by_size_and_dtype() -> None:
-    from autotune._microbatch import _buckets
+    from autotune._runtime.microbatch import _buckets
 
     f32 = [torch.zeros(n) for n in (10, 20, 5, 40)]  # 40, 80, 20, 160 bytes
     half = torch.zeros(3, dtype=torch.bfloat16)

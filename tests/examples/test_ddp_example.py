@@ -21,9 +21,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from optuna.trial import TrialState
 
 from autotune import load_plan
-from autotune._apply import find_blocks
-from autotune._cli import main as autotune
-from autotune._trial import TrialSpec, run_trial
+from autotune._runtime.blocks import find_blocks
+from autotune._cli.main import main as autotune
+from autotune._search.trial import TrialSpec, run_trial
 from autotune.callbacks import ElasticBatchSize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_a_ddp_trial_past_its_timeout_is_killed_with_its_ranks() -> None:
 @pytest.mark.parametrize("other_rank_slow", [False, True])
 def test_ranks_decide_together_to_stop_a_slow_trial(other_rank_slow: bool, tmp_path: Path) -> None:
     """A trial stopped early stops on every rank: a rank that stopped alone would leave the other one waiting."""
-    from autotune._trial import _Meter
+    from autotune._search.trial import _Meter
 
     class Strategy:
         def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Predict the peak memory of one training step for a plan, without running it on the device.
 
 The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
-(:mod:`autotune._apply`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
+(:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
 every storage under parameters, gradients, optimizer state, activations or temporaries while it lives. The step is
 Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes the
 optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones of
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autotune._apply import checkpoint_blocks, offload_activations, select_blocks
-from autotune._batch import batch_size_of, slice_batch
-from autotune._budget import Budget, BudgetSpec
-from autotune._microbatch import GRADIENT_BUCKET_BYTES
-from autotune._fake_step import (
+from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
+from autotune._runtime.batch import batch_size_of, slice_batch
+from autotune._device.budget import Budget, BudgetSpec
+from autotune._runtime.microbatch import GRADIENT_BUCKET_BYTES
+from autotune._estimate.fake_step import (
     OptimizerFactory,
     bytes_of,
     convert_model,
@@ -45,14 +45,14 @@ from autotune._fake_step import (
     precision_plugin,
     step_tracker,
 )
-from autotune._offload import device_part, is_offloaded
-from autotune._plan import Plan
-from autotune._probe import DeviceSpec, probe_memory, resolve_device
+from autotune._runtime.offload import device_part, is_offloaded
+from autotune._plan.plan import Plan
+from autotune._device.probe import DeviceSpec, probe_memory, resolve_device
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
-    from autotune._target import Target
+    from autotune._target.target import Target
 
 __all__ = ["Estimate", "TargetEstimate", "cuda_overhead_bytes", "default_plans", "estimate", "estimate_target",
            "first_batch", "max_micro_batch_size"]
@@ -225,7 +225,7 @@ def estimate_target(
 
 def first_batch(target: Target) -> Any:
     """The first batch of the target's train dataloader (after ``datamodule.setup("fit")``); ``TargetError`` if none."""
-    from autotune._target import TargetError
+    from autotune._target.target import TargetError
 
     owner: Any = target.datamodule if target.datamodule is not None else target.model
     try:

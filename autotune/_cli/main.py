@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from autotune import __version__, _cli_search
-from autotune._budget import format_bytes
-from autotune._probe import MemoryProbe, probe_memory
+from autotune import __version__
+from autotune._cli import search as _cli_search
+from autotune._device.budget import format_bytes
+from autotune._device.probe import MemoryProbe, probe_memory
 
 __all__ = ["main"]
 
@@ -98,10 +99,10 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    from autotune._budget import Budget
-    from autotune._estimate import default_plans, estimate_target
-    from autotune._target import load_target
-    from autotune._tuned import load_plan
+    from autotune._device.budget import Budget
+    from autotune._estimate.estimate import default_plans, estimate_target
+    from autotune._target.target import load_target
+    from autotune._plan.tuned import load_plan
 
     budget = Budget.parse(args.budget)  # bad input fails before the target is built
     micro = args.micro_batch_size

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune._budget import Budget
+from autotune._device.budget import Budget
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -158,7 +158,7 @@ class Plan:
 
     def save(self, path: str | Path, *, command: str | None = None) -> Path:
         """Write the plan as a LightningCLI config (``--config tuned.yaml``); see :func:`autotune.load_plan`."""
-        from autotune._tuned import save_plan
+        from autotune._plan.tuned import save_plan
 
         return save_plan(self, path, command=command)
 

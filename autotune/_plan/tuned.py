@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from autotune._budget import format_bytes
-from autotune._plan import Plan, Provenance, plan_problems
+from autotune._device.budget import format_bytes
+from autotune._plan.plan import Plan, Provenance, plan_problems
 
 #: Bumped when the file layout changes; a file from a newer version is refused with a clear message.
 FORMAT_VERSION = 1

@@ -7,7 +7,7 @@ import shlex
 import sys
 from typing import Any
 
-from autotune._budget import format_bytes
+from autotune._device.budget import format_bytes
 
 _EXIT_OK = 0
 _EXIT_NO_PLAN = 1
@@ -33,7 +33,7 @@ def build_search(parser: argparse.ArgumentParser) -> None:
 
 
 def run_search(args: argparse.Namespace) -> int:
-    from autotune._search import NoFeasiblePlanError, search
+    from autotune._search.search import NoFeasiblePlanError, search
 
     progress = None if args.no_progress else _Progress(args.trials)
     command = "autotune search " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["search"] \
@@ -101,7 +101,7 @@ def build_report(parser: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from autotune._report import load_study, trial_table, write_plots
+    from autotune._search.report import load_study, trial_table, write_plots
 
     study = load_study(storage=args.storage, study=args.study)
     print(trial_table(study))

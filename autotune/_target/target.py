@@ -17,7 +17,7 @@ LightningCLI does). A config can also come with a factory target (``--config``):
 data, the config gives the rest and its ``model:``/``data:`` sections are not read.
 
 Every malformed target raises :class:`TargetError` with one line that names the target and what is accepted.
-Reading a config, and the helpers both kinds of target share, live in :mod:`autotune._target_config`.
+Reading a config, and the helpers both kinds of target share, live in :mod:`autotune._target.config`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune._target_config import (
+from autotune._target.config import (
     TargetError,
     _build_from_config,
     _CliConfig,

@@ -1,10 +1,10 @@
-"""The LightningCLI-config half of :mod:`autotune._target`, and the helpers that both halves share.
+"""The LightningCLI-config half of :mod:`autotune._target.target`, and the helpers that both halves share.
 
 It reads and checks a config as a whole (``model:``, ``data:``, ``optimizer:`` and ``lr_scheduler:`` sections checked
 with jsonargparse, ``trainer:`` and ``seed_everything:``), builds a :class:`~autotune._target.Target` from a config,
 and installs a config's optimizer and scheduler as a model's ``configure_optimizers``. It also holds
 :class:`TargetError` and the small helpers that factory targets use too (``sys.path`` handling, seeding, one-line
-errors); :mod:`autotune._target` imports from here, and this module imports it back only inside a function.
+errors); :mod:`autotune._target.target` imports from here, and this module imports it back only inside a function.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
-    from autotune._target import Target
+    from autotune._target.target import Target
 
 #: Top-level keys of a LightningCLI config that a target reads (``ckpt_path`` is accepted and not used).
 _CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
@@ -201,7 +201,7 @@ def _class_section(
 
 
 def _build_from_config(spec: str, cli: _CliConfig) -> Target:
-    from autotune._target import Target  # _target imports this module at its top
+    from autotune._target.target import Target  # _target imports this module at its top
 
     if cli.model is None:  # _load_config(with_model=True) requires it
         raise TargetError(f"target '{spec}': the config has no `model` section")

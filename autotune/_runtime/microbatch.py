@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from autotune._batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
-from autotune._budget import format_bytes
-from autotune._logbuffer import LogBuffer
-from autotune._memory import MemoryMeter, MetricStates, RNGState, UpdateSnapshot, release_memory
-from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
+from autotune._device.budget import format_bytes
+from autotune._runtime.logbuffer import LogBuffer
+from autotune._device.meter import MemoryMeter
+from autotune._runtime.state import MetricStates, RNGState, UpdateSnapshot, release_memory
+from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
 

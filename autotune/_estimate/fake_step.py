@@ -1,5 +1,5 @@
 """The parts of the estimator's fake training step: the memory tracker, the model, precision, optimizers, batch and
-loss as a run has them, traced on fake tensors (see :mod:`autotune._estimate`, which runs the step)."""
+loss as a run has them, traced on fake tensors (see :mod:`autotune._estimate.estimate`, which runs the step)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autotune._offload import constructor_defaults, hyperparameters, is_offloaded
+from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule

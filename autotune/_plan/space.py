@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import yaml
 
-from autotune._plan import Plan, plan_problems
+from autotune._plan.plan import Plan, plan_problems
 
 #: Plan fields a space may search (the budget is the search's constraint, the provenance its record).
 SEARCHABLE = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("budget", "provenance"))

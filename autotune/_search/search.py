@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune._budget import Budget, format_bytes
-from autotune._plan import Plan, Provenance
-from autotune._space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
-from autotune._storage import exclusive, open_storage, recover_dead_workers, worker_id
-from autotune._trial import TrialResult, TrialSpec, run_trial
+from autotune._device.budget import Budget, format_bytes
+from autotune._plan.plan import Plan, Provenance
+from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
+from autotune._search.storage import exclusive, open_storage, recover_dead_workers, worker_id
+from autotune._search.trial import TrialResult, TrialSpec, run_trial
 
 log = logging.getLogger("autotune")
 
@@ -104,8 +104,8 @@ def search(
     import optuna
     import torch
 
-    from autotune._probe import probe_memory, resolve_device
-    from autotune._target import load_target
+    from autotune._device.probe import probe_memory, resolve_device
+    from autotune._target.target import load_target
 
     parsed_budget = Budget.parse(budget)
     _check_positive("trials", trials)
@@ -425,7 +425,7 @@ class _Estimator:
     """
 
     def __init__(self, target: Any, device: Any) -> None:
-        from autotune._memory import current_rss_bytes
+        from autotune._device.meter import current_rss_bytes
 
         self.target, self.device = target, device
         self.baseline = current_rss_bytes() if device.type != "cuda" else 0
@@ -438,7 +438,7 @@ class _Estimator:
         largest seen, so later choices err on the side of fitting). Returns whether the baseline changed."""
         if self.device.type == "cuda":
             return False
-        from autotune._estimate import estimate
+        from autotune._estimate.estimate import estimate
 
         predicted = self._call(estimate, plan=plan)
         if predicted is _FAILED:
@@ -450,7 +450,7 @@ class _Estimator:
         return changed
 
     def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        from autotune._estimate import first_batch
+        from autotune._estimate.estimate import first_batch
 
         try:
             if self._batch is None:
@@ -464,7 +464,7 @@ class _Estimator:
             return _FAILED
 
     def peak(self, plan: Plan) -> int | None:
-        from autotune._estimate import estimate
+        from autotune._estimate.estimate import estimate
 
         result = self._call(estimate, plan=plan)
         return None if result is _FAILED else result.predicted_peak_bytes + self.baseline
@@ -472,7 +472,7 @@ class _Estimator:
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails. On
         CPU the baseline is this process's resident set until a trial has measured one (see :meth:`calibrate`)."""
-        from autotune._estimate import max_micro_batch_size
+        from autotune._estimate.estimate import max_micro_batch_size
 
         room = budget_bytes - self.baseline
         if room <= 0:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune._oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
-_PRELOAD = ["torch", "lightning", "lightning.pytorch", "autotune", "autotune.callbacks", "autotune._target"]
+_PRELOAD = ["torch", "lightning", "lightning.pytorch", "autotune", "autotune.callbacks", "autotune._target.target"]
 _CONTEXT: Any = None
 
 
@@ -156,8 +156,8 @@ def _failure(exc: BaseException) -> tuple[bool, str]:
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     import lightning as L
 
-    from autotune._plan import Plan
-    from autotune._target import load_target
+    from autotune._plan.plan import Plan
+    from autotune._target.target import load_target
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
     plan = Plan(**spec.plan)
@@ -303,13 +303,13 @@ def _sync(device: Any) -> None:
 def _peak_bytes(device: Any) -> int:
     """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
     the allocator holds now). CPU: the process's peak resident set size."""
-    from autotune._memory import peak_rss_bytes
+    from autotune._device.meter import peak_rss_bytes
 
     if device.type != "cuda":
         return peak_rss_bytes()
     import torch
 
-    from autotune._probe import process_device_bytes
+    from autotune._device.probe import process_device_bytes
 
     reserved_now = torch.cuda.memory_reserved(device)
     process_now = process_device_bytes(device.index or 0)  # None where NVML does not list this process

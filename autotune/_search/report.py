@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autotune._budget import format_bytes
-from autotune._storage import open_storage
+from autotune._device.budget import format_bytes
+from autotune._search.storage import open_storage
 
 
 def load_study(*, storage: str | None, study: str | None) -> Any:

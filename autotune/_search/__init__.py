@@ -1,0 +1,1 @@
+"""The search: the Optuna objective, isolated trials, study storage and the report."""
