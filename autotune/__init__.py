@@ -14,7 +14,7 @@ from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load
 from autotune._target.target import Target, TargetError, load_target
 from autotune._plan.tuned import PlanFileError, load_plan
 
-__version__ = "0.1.0"
+from autotune._version import __version__
 
 __all__ = [
     "PRECISIONS",

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from autotune import __version__
+from autotune._version import __version__
 from autotune._cli import search as _cli_search
 from autotune._device.budget import format_bytes
 from autotune._device.probe import MemoryProbe, probe_memory

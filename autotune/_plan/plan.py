@@ -49,7 +49,7 @@ class Provenance:
         import lightning
         import torch
 
-        from autotune import __version__
+        from autotune._version import __version__
 
         versions = {"autotune": __version__, "torch": str(torch.__version__), "lightning": str(lightning.__version__),
                     "python": platform.python_version()}
