@@ -7,12 +7,12 @@ and the memory tools (probe, budget). Optuna and matplotlib are imported only by
 from autotune._device.budget import Budget
 from autotune._estimate.estimate import Estimate, estimate
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance
+from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
 from autotune._device.probe import MemoryProbe, probe_memory
 from autotune._search.search import NoFeasiblePlanError, SearchResult, search
 from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
 from autotune._target.target import Target, TargetError, load_target
-from autotune._plan.tuned import PlanFileError, load_plan
+from autotune._plan.tuned import PlanFileError
 
 from autotune._version import __version__
 

@@ -66,18 +66,10 @@ class ApplyPlan(Callback):
         pin_memory: bool | None = None,
         provenance: dict[str, Any] | None = None,
     ) -> None:
-        self.plan = Plan(
-            activation_checkpointing=tuple(activation_checkpointing)
-            if isinstance(activation_checkpointing, (list, tuple))
-            else activation_checkpointing,
-            activation_offload=activation_offload,
-            optimizer_offload=optimizer_offload,
-            compile=compile,
-            expandable_segments=expandable_segments,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            provenance=Provenance(**{k: v for k, v in (provenance or {}).items() if k != "format_version"}),
-        )
+        settings = {"activation_checkpointing": activation_checkpointing, "activation_offload": activation_offload,
+                    "optimizer_offload": optimizer_offload, "compile": compile,
+                    "expandable_segments": expandable_segments, "num_workers": num_workers, "pin_memory": pin_memory}
+        self.plan = Plan.from_dict(settings, provenance=Provenance.from_dict(provenance or {}))
         if expandable_segments:
             _set_expandable_segments()
         self._undo: list[Callable[[], None]] = []

@@ -102,7 +102,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     from autotune._device.budget import Budget
     from autotune._estimate.estimate import default_plans, estimate_target
     from autotune._target.target import load_target
-    from autotune._plan.tuned import load_plan
+    from autotune._plan.plan import load_plan
 
     budget = Budget.parse(args.budget)  # bad input fails before the target is built
     micro = args.micro_batch_size

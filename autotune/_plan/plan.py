@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import platform
 from collections.abc import Mapping
@@ -12,6 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget
+from autotune._plan.tuned import (
+    APPLY,
+    ELASTIC,
+    FORMAT_VERSION,
+    PlanFileError,
+    read_tuned_file,
+    render_tuned_file,
+    write_tuned_file,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -20,6 +30,7 @@ if TYPE_CHECKING:
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
 #: Strategies a plan may choose ("auto": Lightning's choice for the devices; the elastic runtime supports DDP).
 STRATEGIES = ("auto", "ddp")
+_FLAGS = ("activation_offload", "optimizer_offload", "compile", "expandable_segments")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +71,49 @@ class Provenance:
         """Only the fields that are set, for the tuned file."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {})}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "provenance") -> Provenance:
+        """The provenance of a tuned file or an ``ApplyPlan`` argument (``format_version`` checked and dropped).
+
+        Raises:
+            ValueError: naming ``where`` and every problem (a newer format, unknown keys).
+        """
+        problems = provenance_problems(data, where=where)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cls(**{k: v for k, v in data.items() if k != "format_version"})
+
+
+def provenance_problems(data: Any, *, where: str = "provenance") -> list[str]:
+    """Every problem with a provenance mapping, each starting with ``where``."""
+    if not isinstance(data, Mapping):
+        return [f"{where}: must be a mapping; got {type(data).__name__}"]
+    problems = version_problems(data, where=f"{where}.format_version")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(Provenance)} - {"format_version"})
+    if unknown:
+        problems.append(f"{where}: unknown keys {', '.join(map(str, unknown))}")
+    return problems
+
+
+def version_problems(data: Mapping[str, Any], *, where: str = "format_version") -> list[str]:
+    """A problem when ``data['format_version']`` is not a version this lightning-autotune reads (missing: current)."""
+    version = data.get("format_version", FORMAT_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return [f"{where}: must be a positive int; got {version!r}"]
+    if version > FORMAT_VERSION:
+        return [f"{where}: {version!r} is newer than this lightning-autotune reads ({FORMAT_VERSION}); upgrade "
+                "lightning-autotune"]
+    return []
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A memory plan: every setting the search may choose, applied to a run by the callbacks.
+
+    A plan has one canonical, JSON-safe form, :meth:`to_dict` (read back by :meth:`from_dict`): the search's
+    trials, the tuned file, :class:`~autotune.callbacks.ApplyPlan` and the search's cache all speak it. Values are
+    normalised on construction (a whole-number checkpointing fraction becomes a float, class names a tuple, a budget
+    its canonical text), so equal plans have equal dicts.
 
     Args:
         precision: a Lightning precision string (see ``PRECISIONS``); goes to ``Trainer(precision=...)``.
@@ -89,6 +139,8 @@ class Plan:
         >>> plan = Plan(precision="bf16-mixed", micro_batch_size=8, activation_checkpointing=0.5)
         >>> plan.trainer_kwargs()
         {'precision': 'bf16-mixed', 'accumulate_grad_batches': 1}
+        >>> Plan.from_dict(plan.to_dict()) == plan
+        True
     """
 
     precision: str = "32-true"
@@ -105,15 +157,60 @@ class Plan:
     provenance: Provenance = field(default_factory=Provenance, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.activation_checkpointing, list):
-            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
-        if isinstance(self.budget, (int, float)) and not isinstance(self.budget, bool):
-            object.__setattr__(self, "budget", str(Budget.parse(self.budget)))
         if isinstance(self.provenance, Mapping):
-            object.__setattr__(self, "provenance", Provenance(**self.provenance))
-        problems = plan_problems(self)
+            object.__setattr__(self, "provenance", Provenance.from_dict(self.provenance))
+        problems = [message for _, message in field_problems(vars(self))]
         if problems:
             raise ValueError("invalid plan: " + "; ".join(problems))
+        ckpt = self.activation_checkpointing
+        object.__setattr__(self, "activation_checkpointing",
+                           tuple(ckpt) if isinstance(ckpt, (list, tuple)) else float(ckpt))
+        if self.budget is not None:
+            object.__setattr__(self, "budget", str(Budget.parse(self.budget)))
+
+    # ------------------------------------------------------------------------------------------ canonical form
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's settings as one JSON-safe dict with its ``format_version`` (the provenance is not part of it:
+        two plans with the same settings are the same plan).
+
+        Example:
+            >>> Plan(activation_checkpointing=1).to_dict()["activation_checkpointing"]
+            1.0
+        """
+        data: dict[str, Any] = {"format_version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name != "provenance":
+                value = getattr(self, f.name)
+                data[f.name] = list(value) if isinstance(value, tuple) else value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, provenance: Provenance | Mapping[str, Any] | None = None) -> Plan:
+        """Read a plan's dict form (:meth:`to_dict`); missing settings take their defaults.
+
+        Raises:
+            ValueError: one error listing every problem: unknown keys, a newer ``format_version``, invalid values.
+
+        Example:
+            >>> Plan.from_dict({"precision": "bf16-mixed", "micro_batch_size": 4}).describe()
+            'bf16-mixed, micro 4'
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a plan must be a mapping of its settings; got {type(data).__name__}")
+        settings = {f.name for f in dataclasses.fields(cls)} - {"provenance"}
+        problems = version_problems(data)
+        unknown = sorted(set(data) - settings - {"format_version"}, key=str)
+        if unknown:
+            problems.append(f"unknown plan settings {', '.join(map(str, unknown))} (known: {', '.join(sorted(settings))})")
+        values = {k: v for k, v in data.items() if k in settings}
+        problems += [message for _, message in field_problems(values)]
+        if problems:
+            raise ValueError("invalid plan: " + "; ".join(problems))
+        return cls(**values, provenance=provenance if provenance is not None else Provenance())
+
+    def key(self) -> str:
+        """The plan's identity as text (its dict form as sorted JSON): equal plans, equal keys."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     # ------------------------------------------------------------------------------------------------ use
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -134,23 +231,20 @@ class Plan:
         from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
         return [
-            ElasticBatchSize(budget=self.budget, micro_batch_size=self.micro_batch_size),
+            ElasticBatchSize(**self.elastic_kwargs()),
             ApplyPlan(**self.apply_kwargs()),
         ]
 
+    def elastic_kwargs(self) -> dict[str, Any]:
+        """The ``ElasticBatchSize`` keyword arguments of this plan."""
+        return {"budget": self.budget, "micro_batch_size": self.micro_batch_size}
+
     def apply_kwargs(self) -> dict[str, Any]:
-        """The ``ApplyPlan`` keyword arguments of this plan."""
-        checkpointing = self.activation_checkpointing
-        return {
-            "activation_checkpointing": list(checkpointing) if isinstance(checkpointing, tuple) else checkpointing,
-            "activation_offload": self.activation_offload,
-            "optimizer_offload": self.optimizer_offload,
-            "compile": self.compile,
-            "expandable_segments": self.expandable_segments,
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory,
-            "provenance": self.provenance.as_dict(),
-        }
+        """The ``ApplyPlan`` keyword arguments of this plan: the rest of its dict form, and its provenance."""
+        data = self.to_dict()
+        for name in ("format_version", *self.trainer_kwargs(), "strategy", *self.elastic_kwargs()):
+            data.pop(name, None)
+        return {**data, "provenance": self.provenance.as_dict()}
 
     def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes`` applied (validated)."""
@@ -158,9 +252,20 @@ class Plan:
 
     def save(self, path: str | Path, *, command: str | None = None) -> Path:
         """Write the plan as a LightningCLI config (``--config tuned.yaml``); see :func:`autotune.load_plan`."""
-        from autotune._plan.tuned import save_plan
+        text = render_tuned_file(self.tuned_document(), provenance=self.provenance.as_dict(), command=command)
+        return write_tuned_file(text, path)
 
-        return save_plan(self, path, command=command)
+    def tuned_document(self) -> dict[str, Any]:
+        """The tuned file's content: a LightningCLI config whose trainer section applies the plan."""
+        apply = self.apply_kwargs()
+        apply["provenance"] = {"format_version": FORMAT_VERSION, **apply["provenance"]}
+        return {"trainer": {
+            **self.trainer_kwargs(),
+            "callbacks": [
+                {"class_path": ELASTIC, "init_args": self.elastic_kwargs()},
+                {"class_path": APPLY, "init_args": apply},
+            ],
+        }}
 
     def describe(self) -> str:
         """A one-line summary, e.g. ``bf16-mixed, micro 8, ckpt 0.5``."""
@@ -170,7 +275,7 @@ class Plan:
         ckpt = self.activation_checkpointing
         if ckpt:
             parts.append(f"ckpt {ckpt if not isinstance(ckpt, tuple) else '+'.join(ckpt)}")
-        for flag in ("activation_offload", "optimizer_offload", "compile", "expandable_segments"):
+        for flag in _FLAGS:
             if getattr(self, flag):
                 parts.append(flag.replace("activation_", "").replace("_", "-"))
         if self.num_workers is not None:
@@ -180,37 +285,69 @@ class Plan:
         return ", ".join(parts)
 
 
-def plan_problems(plan: Plan) -> list[str]:
-    """Every problem with the plan's fields, each naming the field, the value and what is accepted."""
-    problems = []
-    if plan.precision not in PRECISIONS:
-        problems.append(f"precision must be one of {', '.join(PRECISIONS)}; got {plan.precision!r}")
-    if plan.strategy not in STRATEGIES:
-        problems.append(f"strategy must be one of {', '.join(STRATEGIES)}; got {plan.strategy!r}")
-    mbs = plan.micro_batch_size
-    if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-        problems.append(f"micro_batch_size must be a positive int or None; got {mbs!r}")
-    if plan.budget is not None:
+def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(field, message)`` for every problem with the plan settings in ``fields`` (only those present are checked;
+    rules between two fields when both are). Each message names the field, the value and what is accepted."""
+    problems: list[tuple[str, str]] = []
+
+    def check(name: str, ok: Any, accepted: str) -> None:
+        if name in fields and not ok(fields[name]):
+            problems.append((name, f"{name} must be {accepted}; got {fields[name]!r}"))
+
+    check("precision", lambda v: isinstance(v, str) and v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
+    check("strategy", lambda v: isinstance(v, str) and v in STRATEGIES, f"one of {', '.join(STRATEGIES)}")
+    check("micro_batch_size", lambda v: v is None or (_is_int(v) and v >= 1), "a positive int or None")
+    if fields.get("budget") is not None:
         try:
-            Budget.parse(plan.budget)
+            Budget.parse(fields["budget"])
         except ValueError as err:
-            problems.append(str(err))
-    ckpt = plan.activation_checkpointing
-    if isinstance(ckpt, tuple):
+            problems.append(("budget", str(err)))
+    ckpt = fields.get("activation_checkpointing")
+    if isinstance(ckpt, (list, tuple)):
         if not all(isinstance(name, str) and name.isidentifier() for name in ckpt):
-            problems.append(f"activation_checkpointing class names must be identifiers; got {list(ckpt)!r}")
-    elif isinstance(ckpt, bool) or not isinstance(ckpt, (int, float)) or not 0 <= ckpt <= 1 or math.isnan(ckpt):
-        problems.append(f"activation_checkpointing must be a fraction in [0, 1] or a list of class names; got {ckpt!r}")
-    for flag in ("activation_offload", "optimizer_offload", "compile", "expandable_segments"):
-        if not isinstance(getattr(plan, flag), bool):
-            problems.append(f"{flag} must be true or false; got {getattr(plan, flag)!r}")
-    if plan.optimizer_offload is True and plan.strategy != "auto":
-        problems.append(f"optimizer_offload runs on one GPU; it cannot be combined with strategy {plan.strategy!r}")
-    workers = plan.num_workers
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        problems.append(f"num_workers must be an int >= 0 or None; got {workers!r}")
-    if plan.pin_memory is not None and not isinstance(plan.pin_memory, bool):
-        problems.append(f"pin_memory must be true, false or None; got {plan.pin_memory!r}")
-    if not isinstance(plan.provenance, Provenance):
-        problems.append(f"provenance must be a Provenance or a mapping; got {type(plan.provenance).__name__}")
+            problems.append(("activation_checkpointing",
+                             f"activation_checkpointing class names must be identifiers; got {list(ckpt)!r}"))
+    else:
+        check("activation_checkpointing",
+              lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v) and 0 <= v <= 1,
+              "a fraction in [0, 1] or a list of class names")
+    for flag in _FLAGS:
+        check(flag, lambda v: isinstance(v, bool), "true or false")
+    if fields.get("optimizer_offload") is True and fields.get("strategy", "auto") != "auto":
+        problems.append(("optimizer_offload", "optimizer_offload runs on one GPU; it cannot be combined with strategy "
+                                              f"{fields['strategy']!r}"))
+    check("num_workers", lambda v: v is None or (_is_int(v) and v >= 0), "an int >= 0 or None")
+    check("pin_memory", lambda v: v is None or isinstance(v, bool), "true, false or None")
+    if "provenance" in fields and not isinstance(fields["provenance"], Provenance):
+        problems.append(("provenance", "provenance must be a Provenance or a mapping; got "
+                                       f"{type(fields['provenance']).__name__}"))
     return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a tuned file written by :meth:`Plan.save` back into a :class:`Plan`.
+
+    Only ``yaml.safe_load`` is used and only class paths in the ``autotune.`` and ``lightning.`` namespaces are
+    accepted. Every problem is reported at once.
+
+    Raises:
+        PlanFileError: naming the file and the key of each problem.
+
+    Example:
+        >>> plan = load_plan("tuned.yaml")  # doctest: +SKIP
+    """
+    fields, where, problems = read_tuned_file(path)
+    provenance = fields.pop("provenance", None)
+    if provenance is not None:
+        problems += provenance_problems(provenance, where=where["provenance"])
+    settings = {f.name for f in dataclasses.fields(Plan)} - {"provenance"}
+    problems += [f"{where[name]}: unknown setting" for name in fields if name not in settings]
+    values = {k: v for k, v in fields.items() if k in settings}
+    problems += [f"{where.get(name, name)}: {message}" for name, message in field_problems(values)]
+    if problems:
+        raise PlanFileError(f"{path}: " + f"\n{path}: ".join(problems))
+    return Plan.from_dict(values, provenance=provenance)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import yaml
 
-from autotune._plan.plan import Plan, plan_problems
+from autotune._plan.plan import Plan, field_problems
 
 #: Plan fields a space may search (the budget is the search's constraint, the provenance its record).
 SEARCHABLE = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("budget", "provenance"))
@@ -182,7 +182,7 @@ def _parse(name: str, doc: Any, problems: list[str]) -> SearchSpace | None:
         for choice in choices:
             if dim_name == "micro_batch_size" and choice == AUTO:
                 continue
-            problems += [f"{where}.choices: {p}" for p in plan_problems(_unchecked(dim_name, choice))]
+            problems += [f"{where}.choices: {message}" for _, message in field_problems({dim_name: choice})]
         when = spec.get("when") or {}
         known = {d.name: d for d in dims}
         if not isinstance(when, dict):
@@ -212,21 +212,10 @@ def _parse(name: str, doc: Any, problems: list[str]) -> SearchSpace | None:
                        seeds=tuple(seeds))
 
 
-def _unchecked(name: str, value: Any) -> Plan:
-    plan = Plan.__new__(Plan)
-    for f in dataclasses.fields(Plan):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        object.__setattr__(plan, f.name, default)
-    object.__setattr__(plan, "provenance", Plan().provenance)
-    object.__setattr__(plan, name, tuple(value) if isinstance(value, list) else value)
-    return plan
-
-
 def plan_from_params(params: dict[str, Any], *, micro_batch_size: int | None = None, **fields: Any) -> Plan:
-    """The plan of one point of a space; ``micro_batch_size`` replaces an ``auto`` choice."""
-    values = dict(params)
+    """The plan of one point of a space (Optuna's params, the plan's dict form); ``micro_batch_size`` replaces an
+    ``auto`` choice, ``fields`` (budget, provenance) complete it."""
+    values = {**params, **{k: v for k, v in fields.items() if k != "provenance"}}
     if values.get("micro_batch_size") == AUTO:
         values["micro_batch_size"] = micro_batch_size
-    if isinstance(values.get("activation_checkpointing"), list):
-        values["activation_checkpointing"] = tuple(values["activation_checkpointing"])
-    return Plan(**values, **fields)
+    return Plan.from_dict(values, provenance=fields.get("provenance"))

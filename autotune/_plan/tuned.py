@@ -1,23 +1,27 @@
-"""Tuned files: a plan written as a LightningCLI config, and read back with every error reported at once."""
+"""Tuned files: a plan's document written as a self-documenting LightningCLI config, and read back into raw
+settings with every problem reported at once. This module knows the file, not the ``Plan`` type (which builds the
+document and validates what is read: see :mod:`autotune._plan.plan`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from autotune._device.budget import format_bytes
-from autotune._plan.plan import Plan, Provenance, plan_problems
 
-#: Bumped when the file layout changes; a file from a newer version is refused with a clear message.
+#: Version of the file and of a plan's dict form (``Plan.to_dict``); a newer one is refused.
 FORMAT_VERSION = 1
-
-_ELASTIC = "autotune.callbacks.ElasticBatchSize"
-_APPLY = "autotune.callbacks.ApplyPlan"
+ELASTIC = "autotune.callbacks.ElasticBatchSize"
+APPLY = "autotune.callbacks.ApplyPlan"
+#: The trainer settings and ``ElasticBatchSize`` arguments that are plan settings (every ``ApplyPlan`` one is).
+TRAINER_SETTINGS = ("precision", "strategy")
+ELASTIC_SETTINGS = ("budget", "micro_batch_size")
 _NAMESPACES = ("autotune.", "lightning.")
 
 _COMMENTS = {
@@ -33,37 +37,22 @@ _COMMENTS = {
     "expandable_segments": "CUDA allocator grows segments in place: less fragmentation",
     "num_workers": "DataModule dataloader worker processes (null: the DataModule's own)",
     "pin_memory": "DataModule page-locked host batches for faster copies (null: the DataModule's own)",
+    "provenance": "where this plan came from (read by ApplyPlan and load_plan)",
 }
+_KEY_LINE = re.compile(r"^(?P<indent>\s*(?:- )?)(?P<key>\w+):")
 
 
 class PlanFileError(ValueError):
     """A tuned file that cannot be read; the message lists every problem with its file and key."""
 
 
-def _scalar(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
-
-
-def render_plan(plan: Plan, *, command: str | None = None) -> str:
-    """The text of the tuned file for ``plan`` (see :func:`save_plan`)."""
-    prov = plan.provenance
+def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, Any], command: str | None) -> str:
+    """The text of a tuned file: a header saying what was measured, then ``document`` dumped as YAML with a short
+    comment on each setting (none inside the provenance)."""
     lines = [f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION})."]
-    if command or prov.command:
-        lines.append(f"# Produced by: {command or prov.command}")
-    measured = []
-    if prov.samples_per_second is not None:
-        measured.append(f"{prov.samples_per_second:.1f} samples/s")
-    if prov.tokens_per_second is not None:
-        measured.append(f"{prov.tokens_per_second:.0f} tokens/s")
-    if prov.peak_bytes is not None:
-        measured.append(f"peak {format_bytes(prov.peak_bytes)}")
-    if prov.predicted_peak_bytes is not None:
-        measured.append(f"predicted peak {format_bytes(prov.predicted_peak_bytes)}")
-    if prov.budget is not None:
-        measured.append(f"budget {prov.budget}")
-    if prov.device_name:
-        total = f" ({format_bytes(prov.device_total_bytes)})" if prov.device_total_bytes else ""
-        measured.append(f"on {prov.device_name}{total}")
+    if command or provenance.get("command"):
+        lines.append(f"# Produced by: {command or provenance['command']}")
+    measured = _measured(provenance)
     if measured:
         lines.append("# Measured: " + ", ".join(measured))
     lines += [
@@ -71,38 +60,44 @@ def render_plan(plan: Plan, *, command: str | None = None) -> str:
         "#   (this file sets trainer.callbacks; a later --config replaces lists, so keep your callbacks after it)",
         "# or in Python: Trainer(**plan.trainer_kwargs(), callbacks=[*plan.callbacks(), ...]) with",
         "#   plan = autotune.load_plan(THIS_FILE)",
-        "trainer:",
     ]
-
-    def setting(indent: int, key: str, value: Any, *, commented: bool = True) -> None:
-        comment = _COMMENTS.get(key) if commented else None
-        text = f"{' ' * indent}{key}: {_scalar(value)}"
-        lines.append(f"{text}  # {comment}" if comment else text)
-
-    for key, value in plan.trainer_kwargs().items():
-        setting(2, key, value)
-    lines += ["  callbacks:", f"    - class_path: {_ELASTIC}", "      init_args:"]
-    setting(8, "budget", plan.budget)
-    setting(8, "micro_batch_size", plan.micro_batch_size)
-    lines += [f"    - class_path: {_APPLY}", "      init_args:"]
-    kwargs = plan.apply_kwargs()
-    provenance = {"format_version": FORMAT_VERSION, **kwargs.pop("provenance")}
-    for key, value in kwargs.items():
-        setting(8, key, value)
-    lines.append("        provenance:  # where this plan came from (read by ApplyPlan and load_plan)")
-    for key, value in provenance.items():
-        setting(10, key, value, commented=False)
+    in_provenance: int | None = None  # the indent of the provenance mapping while inside it
+    for line in yaml.safe_dump(dict(document), sort_keys=False, default_flow_style=False, width=10_000).splitlines():
+        match = _KEY_LINE.match(line)
+        if match and in_provenance is not None and len(match["indent"]) <= in_provenance:
+            in_provenance = None
+        comment = _COMMENTS.get(match["key"]) if match and in_provenance is None else None
+        if match and match["key"] == "provenance":
+            in_provenance = len(match["indent"])
+        lines.append(f"{line}  # {comment}" if comment else line)
     return "\n".join(lines) + "\n"
 
 
-def save_plan(plan: Plan, path: str | Path, *, command: str | None = None) -> Path:
-    """Write ``plan`` to ``path`` atomically (a temporary file in the same folder, then a rename).
+def _measured(prov: Mapping[str, Any]) -> list[str]:
+    measured = []
+    if prov.get("samples_per_second") is not None:
+        measured.append(f"{prov['samples_per_second']:.1f} samples/s")
+    if prov.get("tokens_per_second") is not None:
+        measured.append(f"{prov['tokens_per_second']:.0f} tokens/s")
+    if prov.get("peak_bytes") is not None:
+        measured.append(f"peak {format_bytes(prov['peak_bytes'])}")
+    if prov.get("predicted_peak_bytes") is not None:
+        measured.append(f"predicted peak {format_bytes(prov['predicted_peak_bytes'])}")
+    if prov.get("budget") is not None:
+        measured.append(f"budget {prov['budget']}")
+    if prov.get("device_name"):
+        total = f" ({format_bytes(prov['device_total_bytes'])})" if prov.get("device_total_bytes") else ""
+        measured.append(f"on {prov['device_name']}{total}")
+    return measured
+
+
+def write_tuned_file(text: str, path: str | Path) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename).
 
     Raises:
         ValueError: when the folder does not exist or cannot be written, naming the path.
     """
     path = Path(path)
-    text = render_plan(plan, command=command)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"cannot write the tuned file '{path}': folder '{folder}' does not exist")
@@ -120,17 +115,15 @@ def save_plan(plan: Plan, path: str | Path, *, command: str | None = None) -> Pa
     return path
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a tuned file written by :meth:`Plan.save` back into a :class:`Plan`.
+def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The raw plan settings of a tuned file (``provenance`` included, unvalidated), where each was found in the
+    file (``trainer.callbacks[1].init_args.compile``), and the problems with the file's structure.
 
     Only ``yaml.safe_load`` is used and only class paths in the ``autotune.`` and ``lightning.`` namespaces are
-    accepted. Every problem is reported at once.
+    accepted.
 
     Raises:
-        PlanFileError: naming the file and the key of each problem.
-
-    Example:
-        >>> plan = load_plan("tuned.yaml")  # doctest: +SKIP
+        PlanFileError: when the file is missing or is not YAML.
     """
     path = Path(path)
     try:
@@ -141,19 +134,7 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanFileError(f"{path}: cannot read the tuned file: {str(err).splitlines()[0]}") from None
     problems: list[str] = []
     where: dict[str, str] = {}
-    fields = _collect_fields(doc, problems, where)
-    if fields:
-        raw = Plan.__new__(Plan)  # check field by field, so each problem can name its key in the file
-        for f in dataclasses.fields(Plan):
-            object.__setattr__(raw, f.name, fields.get(f.name, Plan.__dataclass_fields__[f.name].default))
-        if raw.provenance is dataclasses.MISSING:
-            object.__setattr__(raw, "provenance", Provenance())
-        for problem in plan_problems(raw):
-            name = problem.split(" ", 1)[0]
-            problems.append(f"{where.get(name, name)}: {problem}")
-    if problems:
-        raise PlanFileError(f"{path}: " + f"\n{path}: ".join(problems))
-    return Plan(**fields)
+    return _collect_fields(doc, problems, where), where, problems
 
 
 def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dict[str, Any]:
@@ -162,7 +143,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         return {}
     trainer = doc["trainer"]
     fields: dict[str, Any] = {}
-    for name in ("precision", "strategy"):
+    for name in TRAINER_SETTINGS:
         if name in trainer:
             fields[name] = trainer[name]
             where[name] = f"trainer.{name}"
@@ -173,7 +154,6 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         problems.append("trainer.callbacks: missing; expected ElasticBatchSize and ApplyPlan entries")
         return fields
     found = set()
-    plan_keys = {f.name for f in dataclasses.fields(Plan)}
     for i, entry in enumerate(callbacks):
         key = f"trainer.callbacks[{i}]"
         class_path = entry.get("class_path") if isinstance(entry, dict) else None
@@ -183,7 +163,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if not class_path.startswith(_NAMESPACES):
             problems.append(f"{key}.class_path: '{class_path}' is outside the autotune. and lightning. namespaces")
             continue
-        if class_path not in (_ELASTIC, _APPLY):
+        if class_path not in (ELASTIC, APPLY):
             continue  # another Lightning callback the user added: not part of the plan
         found.add(class_path)
         init_args = entry.get("init_args") or {}
@@ -191,36 +171,11 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
             problems.append(f"{key}.init_args: must be a mapping")
             continue
         for name, value in init_args.items():
-            if name == "provenance":
-                fields["provenance"] = _provenance(value, f"{key}.init_args.provenance", problems)
-            elif name in plan_keys and name not in ("precision", "strategy"):
-                fields[name] = tuple(value) if isinstance(value, list) else value
-                where[name] = f"{key}.init_args.{name}"
-            elif class_path == _ELASTIC:
-                continue  # other ElasticBatchSize options (grow, min_micro_batch_size, ...) are not plan fields
-            else:
-                problems.append(f"{key}.init_args.{name}: unknown setting")
-    for required in (_ELASTIC, _APPLY):
+            if class_path == ELASTIC and name not in ELASTIC_SETTINGS:
+                continue  # other ElasticBatchSize options (grow, min_micro_batch_size, ...) are not plan settings
+            fields[name] = value
+            where[name] = f"{key}.init_args.{name}"
+    for required in (ELASTIC, APPLY):
         if required not in found:
             problems.append(f"trainer.callbacks: no {required} entry")
     return fields
-
-
-def _provenance(value: Any, key: str, problems: list[str]) -> Provenance | None:
-    if not isinstance(value, dict):
-        problems.append(f"{key}: must be a mapping")
-        return None
-    value = dict(value)
-    version = value.pop("format_version", FORMAT_VERSION)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        problems.append(
-            f"{key}.format_version: {version!r} is newer than this lightning-autotune reads ({FORMAT_VERSION}); "
-            "upgrade lightning-autotune"
-        )
-        return None
-    known = {f.name for f in dataclasses.fields(Provenance)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        problems.append(f"{key}: unknown keys {', '.join(unknown)}")
-        return None
-    return Provenance(**value)

@@ -185,7 +185,8 @@ class _MaxMeasured:
     def __call__(self, study: Any, trial: Any) -> None:
         from optuna.trial import TrialState
 
-        measured = {t.user_attrs.get("plan") for t in study.get_trials(deepcopy=False, states=_finished_states())
+        measured = {t.user_attrs.get("plan_key", t.user_attrs.get("plan"))
+                    for t in study.get_trials(deepcopy=False, states=_finished_states())
                     if t.user_attrs.get("source") != "cache"}
         everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
         if _finished(study) >= self.trials or len(measured) >= self.space_size or everything >= 3 * self.trials:
@@ -284,6 +285,7 @@ class _Objective:
         plan = plan_from_params(params, micro_batch_size=micro)
         trial.set_user_attr("micro_batch_size", plan.micro_batch_size)
         trial.set_user_attr("plan", plan.describe())
+        trial.set_user_attr("plan_key", plan.key())
         cached = self._cached(trial, plan)
         if cached is not None:
             return self._record(trial, cached, source="cache")
@@ -305,8 +307,7 @@ class _Objective:
         return value
 
     def _spec(self, plan: Plan, *, stop_below: float | None = None) -> TrialSpec:
-        fields = {k: v for k, v in vars(plan).items() if k not in ("provenance", "budget")}
-        return TrialSpec(target=self.target, config=self.config, plan=fields, budget=str(self.budget),
+        return TrialSpec(target=self.target, config=self.config, plan=plan.to_dict(), budget=str(self.budget),
                          device=self.device.type, devices=self.devices, steps=self.steps, warmup=self.warmup,
                          stop_below=stop_below)
 
@@ -329,9 +330,9 @@ class _Objective:
     def _cached(self, trial: Any, plan: Plan) -> TrialResult | None:
         from optuna.trial import TrialState
 
-        key = plan.describe()
+        key = plan.key()
         for other in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if other.user_attrs.get("plan") == key and other.user_attrs.get("source") != "cache":
+            if other.user_attrs.get("plan_key") == key and other.user_attrs.get("source") != "cache":
                 attrs = other.user_attrs
                 trial.set_user_attr("cached_from", other.number)
                 return TrialResult(attrs.get("status", "ok"), samples_per_second=attrs.get("samples_per_second"),
@@ -376,7 +377,7 @@ def _choose(study: Any, runner: _Objective, budget_bytes: int, budget: Budget) -
         raise NoFeasiblePlanError(_no_fit_message(study, budget, budget_bytes))
     distinct: dict[str, Any] = {}
     for t in sorted(feasible, key=lambda t: t.value or 0.0, reverse=True):
-        distinct.setdefault(t.user_attrs["plan"], t)
+        distinct.setdefault(t.user_attrs.get("plan_key", t.user_attrs["plan"]), t)
     top = list(distinct.values())[:REMEASURE_TOP]
     if len(top) == 1:
         return top[0]

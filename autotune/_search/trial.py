@@ -31,13 +31,19 @@ class TrialSpec:
 
     target: str
     config: str | None
-    plan: dict[str, Any]
+    plan: dict[str, Any]  # the plan's dict form (Plan.to_dict)
     budget: str | None
     device: str  # "cpu" or "cuda"
     devices: int = 1
     steps: int = 8
     warmup: int = 3
     stop_below: float | None = None  # samples/s: stop early when clearly slower than the best so far
+
+    def memory_plan(self) -> Any:
+        """The :class:`~autotune.Plan` of this trial, read back from its dict form."""
+        from autotune._plan.plan import Plan
+
+        return Plan.from_dict(self.plan)
 
 
 @dataclass(frozen=True)
@@ -156,11 +162,10 @@ def _failure(exc: BaseException) -> tuple[bool, str]:
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     import lightning as L
 
-    from autotune._plan.plan import Plan
     from autotune._target.target import load_target
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
-    plan = Plan(**spec.plan)
+    plan = spec.memory_plan()
     if plan.expandable_segments:  # before anything touches CUDA in this fresh process
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     target = load_target(spec.target, config=spec.config)
