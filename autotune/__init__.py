@@ -5,15 +5,15 @@ and the memory tools (probe, budget). Optuna and matplotlib are imported only by
 """
 
 from autotune._device.budget import Budget
-from autotune._estimate.estimate import Estimate, estimate
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
 from autotune._device.probe import MemoryProbe, probe_memory
-from autotune._search.search import NoFeasiblePlanError, SearchResult, search
+from autotune._estimate.estimate import Estimate, estimate
+from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
 from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
-from autotune._target.target import Target, TargetError, load_target
 from autotune._plan.tuned import PlanFileError
-
+from autotune._search.search import NoFeasiblePlanError, SearchResult, search
+from autotune._search.trial import TrialResult, measure_plan
+from autotune._target.target import Target, TargetError, load_target
 from autotune._version import __version__
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Provenance",
     "SearchResult",
     "SearchSpace",
+    "TrialResult",
     "SpaceError",
     "Target",
     "TargetError",
@@ -39,6 +40,7 @@ __all__ = [
     "load_plan",
     "load_space",
     "load_target",
+    "measure_plan",
     "probe_memory",
     "search",
 ]

@@ -1,7 +1,8 @@
 """Lightning callbacks of lightning-autotune (installed as ``autotune.callbacks``)."""
 
+from autotune._runtime.microbatch import ElasticEvent
 from autotune.callbacks.apply_plan import ApplyPlan
 from autotune.callbacks.elastic import ElasticBatchSize
 from autotune.callbacks.monitor import MemoryMonitor
 
-__all__ = ["ApplyPlan", "ElasticBatchSize", "MemoryMonitor"]
+__all__ = ["ApplyPlan", "ElasticBatchSize", "ElasticEvent", "MemoryMonitor"]

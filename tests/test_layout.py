@@ -119,3 +119,15 @@ def test_the_walk_sees_lazy_and_relative_imports() -> None:
     graph = _graph()
     assert "autotune.callbacks" in graph["autotune._plan.plan"]  # lazy, inside Plan.callbacks()
     assert "autotune._device.probe" in graph["autotune.callbacks.apply_plan"]
+
+
+def test_benchmarks_and_examples_use_public_api_only() -> None:
+    private = []
+    for folder in ("benchmarks", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                private += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                            if name.startswith("autotune.") and any(p.startswith("_") for p in name.split("."))]
+    assert private == []

@@ -298,3 +298,24 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
         assert (tmp_path / "rep" / name).stat().st_size > 1000
     assert main(["report", "--storage", storage, "--study", "nope"]) == 2
     assert "no study 'nope' in the storage; studies there: r" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_measure_plan_runs_one_plan_as_a_trial_does() -> None:
+    from autotune import Plan, TrialResult, measure_plan
+
+    ok = measure_plan(target=f"{FIXTURE}:make_faulty", plan=Plan(micro_batch_size=8), device="cpu", steps=2, warmup=1)
+    assert isinstance(ok, TrialResult) and ok.status == "ok" and ok.steps_timed == 2
+    assert ok.samples_per_second > 0 and ok.peak_bytes > 0
+    oom = measure_plan(target=f"{FIXTURE}:make_faulty", plan=Plan(micro_batch_size=32), device="cpu", steps=2,
+                       warmup=1)
+    assert oom.status == "oom" and "simulated by the test target" in oom.reason  # a result, never an exception
+
+
+def test_measure_plan_refuses_bad_input() -> None:
+    from autotune import Plan, measure_plan
+
+    with pytest.raises(ValueError, match=r"plan must be an autotune.Plan; got dict"):
+        measure_plan(target="t.py:make", plan={"micro_batch_size": 8})
+    with pytest.raises(ValueError, match=r"warmup must be an int >= 1; got 0"):
+        measure_plan(target="t.py:make", plan=Plan(), warmup=0)

@@ -52,7 +52,18 @@ class _PeerOutOfMemory(RuntimeError):
 
 @dataclass(frozen=True)
 class ElasticEvent:
-    """One decision of the engine: ``kind`` is "oom", "grow", "grow_failed", "over_budget" or "eval_oom"."""
+    """One decision of :class:`~autotune.callbacks.ElasticBatchSize` (its ``events`` list, oldest first).
+
+    ``kind`` is "oom" (an out-of-memory error; the step was replayed at ``micro_batch_size``), "grow" (the
+    micro-batch doubled after clean steps), "grow_failed" (the larger micro-batch ran out of memory and went back),
+    "over_budget" (a step's peak passed the soft CPU budget; the next step runs smaller) or "eval_oom" (an
+    evaluation step was split). ``step`` is the global step, ``batch_size`` the effective batch, ``previous`` and
+    ``micro_batch_size`` the micro-batch before and after, ``where`` the phase that failed ("closure": forward or
+    backward, "update": the optimizer step; for "eval_oom" the stage), ``peak_bytes`` the step's peak when known.
+
+    Example:
+        >>> ElasticEvent(kind="oom", step=3, batch_size=64, previous=32, micro_batch_size=16).micro_batch_size
+        16"""
 
     kind: str
     step: int

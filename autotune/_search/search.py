@@ -15,7 +15,7 @@ from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
 from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
 from autotune._search.storage import exclusive, open_storage, recover_dead_workers, worker_id
-from autotune._search.trial import TrialResult, TrialSpec, run_trial
+from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, run_trial
 
 log = logging.getLogger("autotune")
 
@@ -108,10 +108,10 @@ def search(
     from autotune._target.target import load_target
 
     parsed_budget = Budget.parse(budget)
-    _check_positive("trials", trials)
-    _check_positive("steps", steps)
-    _check_positive("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
-    _check_positive("devices", devices)
+    check_positive_int("trials", trials)
+    check_positive_int("steps", steps)
+    check_positive_int("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
+    check_positive_int("devices", devices)
     out_path = _check_out(out)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     tgt = load_target(target, config=config)
@@ -191,11 +191,6 @@ class _MaxMeasured:
         everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
         if _finished(study) >= self.trials or len(measured) >= self.space_size or everything >= 3 * self.trials:
             study.stop()
-
-
-def _check_positive(name: str, value: Any, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
 
 
 def _check_out(out: str | Path | None) -> Path | None:

@@ -48,7 +48,16 @@ class TrialSpec:
 
 @dataclass(frozen=True)
 class TrialResult:
-    """What a trial measured. ``status``: "ok", "oom" (infeasible), "pruned" (stopped early) or "error"."""
+    """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
+
+    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
+    (``reason`` says why). Peaks are the run's peak memory in the budget's measure (CUDA: allocator reserved bytes
+    plus the CUDA context; CPU: the process's peak resident set), the worst rank's under DDP.
+
+    Example:
+        >>> TrialResult("oom", reason="CUDA out of memory").status
+        'oom'
+    """
 
     status: str
     samples_per_second: float | None = None
@@ -63,6 +72,67 @@ class TrialResult:
 
     def as_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def measure_plan(
+    *,
+    target: str,
+    plan: Any,
+    budget: str | int | float | None = None,
+    config: str | None = None,
+    device: str | None = None,
+    devices: int = 1,
+    steps: int = 8,
+    warmup: int = 3,
+    timeout: float = 600.0,
+) -> TrialResult:
+    """Measure one plan as a search trial does: ``warmup + steps`` optimizer steps of ``target`` with ``plan``
+    applied, in a fresh process, timed end to end (data loading included) with the run's peak memory.
+
+    Args:
+        target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
+        plan: the :class:`~autotune.Plan` to run (its micro-batch is kept fixed: no growing, no shrinking below it).
+        budget: the memory the run may use (``"4GiB"``, bytes, a fraction, ``"auto"``); None: no cap.
+        config: a LightningCLI config giving the rest of a factory target (trainer settings).
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
+        devices: devices (DDP ranks) for the run.
+        steps: timed optimizer steps.
+        warmup: untimed optimizer steps first (at least 1: timing starts at the end of the last one).
+        timeout: seconds before the run is stopped and reported as an error.
+
+    Returns:
+        What was measured; an out-of-memory error is ``status="oom"``, never an exception.
+
+    Raises:
+        ValueError: for bad input, naming it.
+
+    Example:
+        >>> from autotune import Plan
+        >>> result = measure_plan(target="examples/gpt/train.py:make", plan=Plan(micro_batch_size=8))  # doctest: +SKIP
+        >>> result.status, result.samples_per_second  # doctest: +SKIP
+    """
+    import torch
+
+    from autotune._device.budget import Budget
+    from autotune._device.probe import resolve_device
+    from autotune._plan.plan import Plan
+
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be an autotune.Plan; got {type(plan).__name__}")
+    check_positive_int("steps", steps)
+    check_positive_int("warmup", warmup)
+    check_positive_int("devices", devices)
+    dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = TrialSpec(target=str(target), config=config, plan=plan.to_dict(),
+                     budget=None if budget is None else str(Budget.parse(budget)), device=dev.type, devices=devices,
+                     steps=steps, warmup=warmup)
+    return run_trial(spec, timeout=timeout)
+
+
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
 
 
 def _context() -> Any:
