@@ -53,14 +53,24 @@ class SearchSpace:
                 params[dim.name] = trial.suggest_categorical(dim.name, list(dim.choices))
         return params
 
-    def size(self) -> int:
-        """The number of distinct points (conditional dimensions counted only where active)."""
+    def points(self) -> list[dict[str, Any]]:
+        """Every distinct point of the space as Optuna params (conditional dimensions only where active), in the
+        order of the choices.
+
+        Example:
+            >>> len(load_space("cpu").points()) == load_space("cpu").size()
+            True
+        """
         points: list[dict[str, Any]] = [{}]
         for dim in self.dimensions:
             points = [{**p, dim.name: c} for p in points for c in dim.choices]
             points = [p if dim.active(p) else {k: v for k, v in p.items() if k != dim.name} for p in points]
             points = list({repr(sorted(p.items())): p for p in points}.values())
-        return len(points)
+        return points
+
+    def size(self) -> int:
+        """The number of distinct points (conditional dimensions counted only where active)."""
+        return len(self.points())
 
     def for_device(self, device: torch.device, *, batch_size: int) -> SearchSpace:
         """The space without the choices this device cannot run, each drop explained in ``notes``."""
