@@ -300,6 +300,19 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
     assert "no study 'nope' in the storage; studies there: r" in capsys.readouterr().err
 
 
+def test_report_never_creates_or_writes_a_storage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for url, name in ((f"sqlite:///{tmp_path}/nosuch.db", "nosuch.db"), (f"journal:{tmp_path}/nosuch.log", "nosuch.log")):
+        assert main(["report", "--storage", url, "--study", "nope"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"file '{tmp_path}/{name}' does not exist (no search has used it)" in err
+    not_a_study = tmp_path / "other.db"
+    not_a_study.write_bytes(b"not a database")
+    assert main(["report", "--storage", f"sqlite:///{not_a_study}"]) == 2
+    assert f"cannot open storage 'sqlite:///{not_a_study}'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+    assert not_a_study.read_bytes() == b"not a database"
+
+
 @pytest.mark.slow
 def test_measure_plan_runs_one_plan_as_a_trial_does() -> None:
     from autotune import Plan, TrialResult, measure_plan

@@ -16,29 +16,32 @@ GRACE_SECONDS = 8
 _ACCEPTED = "sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB, or journal:PATH"
 
 
-def open_storage(url: str | None) -> Any:
+def open_storage(url: str | None, *, read_only: bool = False) -> Any:
     """An Optuna storage for ``url`` (None: ``sqlite:///autotune.db`` in the current folder).
 
+    With ``read_only`` (``autotune report``) nothing is created or written: a SQLite or journal file must exist, a
+    SQLite file is opened read-only, and no database table is created.
+
     Raises:
-        ValueError: for a malformed URL or a storage that cannot be reached, in one line.
+        ValueError: for a malformed URL, a storage that cannot be reached, or (``read_only``) one that does not exist,
+            in one line.
     """
     import optuna
 
-    url = url or DEFAULT_STORAGE
+    url = shown = url or DEFAULT_STORAGE
     if url.startswith("journal:"):
         path = url[len("journal:") :].removeprefix("//")
         if not path:
             raise ValueError(f"storage '{url}' has no file path; expected {_ACCEPTED}")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+        _check_place(url, path, must_exist=read_only)
         from optuna.storages.journal import JournalFileBackend
 
         return optuna.storages.JournalStorage(JournalFileBackend(path))
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        folder = os.path.dirname(os.path.abspath(url[len("sqlite:///") :]))
-        if not os.path.isdir(folder):
-            raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+        path = url[len("sqlite:///") :]
+        _check_place(url, path, must_exist=read_only)
+        if read_only:  # SQLite's read-only mode: even a file that is no Optuna study is left as it is
+            url = f"sqlite:///file:{os.path.abspath(path)}?mode=ro&uri=true"
     elif not url.startswith(("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://")) or "/" not in url[
         len("postgresql://") :
     ]:
@@ -46,25 +49,36 @@ def open_storage(url: str | None) -> Any:
     try:
         with warnings.catch_warnings():  # heartbeat and retry are marked experimental; we rely on them knowingly
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return _rdb(url)
+            return _rdb(url, read_only=read_only)
     except ImportError as err:
-        raise ValueError(f"storage '{_redact(url)}' needs a database driver: {err} "
+        raise ValueError(f"storage '{_redact(shown)}' needs a database driver: {err} "
                          "(pip install 'lightning-autotune[postgres]')") from None
     except Exception as err:  # SQLAlchemy raises many types for a server it cannot reach
         message = " ".join(str(err).split())[:300]
-        raise ValueError(f"cannot open storage '{_redact(url)}': {type(err).__name__}: {message}") from None
+        raise ValueError(f"cannot open storage '{_redact(shown)}': {type(err).__name__}: {message}") from None
 
 
-def _rdb(url: str) -> Any:
+def _check_place(url: str, path: str, *, must_exist: bool) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+    if must_exist and not os.path.isfile(path):
+        raise ValueError(f"storage '{url}': file '{path}' does not exist (no search has used it)")
+
+
+def _rdb(url: str, *, read_only: bool = False) -> Any:
     import optuna
     from optuna.storages import RetryHeartbeatStaleTrialCallback
 
+    engine_kwargs = {"pool_pre_ping": True} if url.startswith("postgresql") else None
+    if read_only:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, skip_table_creation=True)
     return optuna.storages.RDBStorage(
         url,
         heartbeat_interval=HEARTBEAT_SECONDS,
         grace_period=GRACE_SECONDS,
         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-        engine_kwargs={"pool_pre_ping": True} if url.startswith("postgresql") else None,
+        engine_kwargs=engine_kwargs,
     )
 
 
