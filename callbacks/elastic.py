@@ -44,9 +44,11 @@ class ElasticBatchSize(Callback):
             :class:`~autotune.OutOfMemoryAtMinimumError`.
         grow: whether to try larger micro-batches again after clean steps.
         grow_after: clean steps before the first try to grow (doubled after each failed try).
-        protect_update: copy parameters and optimizer state to the host before each update so an OOM inside
-            ``optimizer.step`` can be undone and replayed. Costs one host copy of them per step (overlapped with
-            forward and backward on CUDA). With False, an OOM inside the update ends ``fit`` with a clear error.
+        protect_update: make an OOM inside ``optimizer.step`` replayable. Updates that create optimizer state (the
+            first one, parameters added or unfrozen later: the ones that allocate the most) are preceded by a host
+            copy of the parameters and state they change, freed once the update succeeds; steady-state updates copy
+            nothing, only note the tensors' version counters, so an OOM that strikes before the update changed
+            anything replays too, and one after it ends ``fit`` with a clear error. With False, no update is copied.
 
     Raises:
         ValueError: for a bad argument, naming it and what is accepted.
@@ -98,6 +100,11 @@ class ElasticBatchSize(Callback):
     def events(self) -> list[ElasticEvent]:
         """Every shrink, grow and failed grow so far, oldest first."""
         return list(self.engine.events) if self.engine is not None else []
+
+    @property
+    def update_snapshot_bytes(self) -> int:
+        """Host bytes copied to protect the last optimizer update (0 in steady state; see ``protect_update``)."""
+        return self.engine.update_snapshot_bytes if self.engine is not None else 0
 
     @property
     def budget_bytes(self) -> int | None:

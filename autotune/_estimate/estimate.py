@@ -32,7 +32,7 @@ import torch
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._device.budget import Budget, BudgetSpec
-from autotune._runtime.microbatch import GRADIENT_BUCKET_BYTES
+from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
 from autotune._estimate.fake_step import (
     OptimizerFactory,
     bytes_of,

@@ -18,14 +18,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
 from autotune._device.meter import MemoryMeter
-from autotune._runtime.state import MetricStates, RNGState, UpdateSnapshot, release_memory
+from autotune._runtime.state import (
+    MetricStates,
+    RNGState,
+    UpdateSnapshot,
+    creates_state,
+    release_memory,
+    update_fingerprint,
+)
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
@@ -39,15 +46,12 @@ def _info(msg: str) -> None:
     log.info(msg)
 
 
-_UNPROTECTED = ("Out of memory inside the optimizer update with protect_update=False: the update may be "
-                "half-applied and cannot be replayed. Use ElasticBatchSize(protect_update=True).")
-
-
-class _PeerOutOfMemory(RuntimeError):
-    """Raised on ranks that did not run out of memory themselves when another rank did."""
-
-    def __init__(self) -> None:
-        super().__init__("another rank ran out of memory in this step")
+_HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had changed parameters or optimizer state: "
+                 "the update is half-applied and cannot be replayed. {why}")
+_WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
+               "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
+               "raise the budget, or build the optimizer with foreach=False.")
+_WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 
 @dataclass(frozen=True)
@@ -72,117 +76,6 @@ class ElasticEvent:
     micro_batch_size: int
     where: str = ""
     peak_bytes: int = 0
-
-
-class Agreement:
-    """The few collectives that keep ranks in step; everything is local when there is one process."""
-
-    def __init__(self, device: torch.device, world_size: int) -> None:
-        self.enabled = world_size > 1 and dist.is_available() and dist.is_initialized()
-        self.device = device
-        self._buffers: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any rank."""
-        if not self.enabled:
-            return flag
-        return self.max(1.0 if flag else 0.0)[0] > 0
-
-    def max(self, *values: float) -> list[float]:
-        """The element-wise maximum of ``values`` over ranks."""
-        if not self.enabled:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64 if self.device.type != "mps" else torch.float32)
-        t = t.to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Average gradients over ranks as DDP does (divide by world size, then sum), once per step.
-
-        Like DDP, gradients travel in flat buckets of about ``GRADIENT_BUCKET_BYTES``, two in flight, through
-        buffers kept from step to step (allocated, like any gradient, before the ranks agree that none ran out of
-        memory, so no rank is left alone in a collective).
-        """
-        if not self.enabled:
-            return
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)  # a parameter used on any rank is reduced on all
-        used = [bool(u) for u in has_grad.tolist()]
-        failed = False
-        try:
-            for p, needed in zip(params, used):
-                if needed and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            buckets = _buckets([p.grad for p, needed in zip(params, used) if needed], GRADIENT_BUCKET_BYTES)
-            self._ensure_bucket_buffers(buckets)
-        except BaseException as exc:
-            if not is_oom_error(exc):
-                raise
-            failed = True
-        if self.any(failed):  # agree before the all-reduces, so no rank is left in one alone
-            raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else _PeerOutOfMemory()
-        world = dist.get_world_size()
-        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        slots: dict[tuple[torch.dtype, torch.device], int] = {}
-        for bucket in buckets:
-            if len(bucket) == 1:
-                flat = bucket[0]  # one large tensor: reduced in place
-            else:
-                key = (bucket[0].dtype, bucket[0].device)
-                slot = slots[key] = (slots.get(key, -1) + 1) % len(self._buffers[key])
-                for work in [w for w in pending if w[1].data_ptr() == self._buffers[key][slot].data_ptr()]:
-                    _finish(*work)  # the buffer's previous bucket is back
-                    pending.remove(work)
-                flat = self._buffers[key][slot][: sum(g.numel() for g in bucket)]
-                torch.cat([g.reshape(-1) for g in bucket], out=flat)
-            flat.div_(world)
-            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
-        for work in pending:
-            _finish(*work)
-
-    def _ensure_bucket_buffers(self, buckets: list[list[torch.Tensor]]) -> None:
-        """Two buffers per dtype and device (one when a single bucket has it), each as large as its largest bucket."""
-        needed: dict[tuple[torch.dtype, torch.device], tuple[int, int]] = {}  # key -> (largest numel, buckets)
-        for bucket in buckets:
-            if len(bucket) > 1:
-                key = (bucket[0].dtype, bucket[0].device)
-                numel, count = needed.get(key, (0, 0))
-                needed[key] = (max(numel, sum(g.numel() for g in bucket)), count + 1)
-        for key, (numel, count) in needed.items():
-            have = self._buffers.get(key)
-            if have is None or have[0].numel() < numel or len(have) < min(2, count):
-                self._buffers[key] = [torch.empty(numel, dtype=key[0], device=key[1]) for _ in range(min(2, count))]
-
-
-#: Gradients are averaged over ranks in flat buckets of about this size (DDP's default bucket cap).
-GRADIENT_BUCKET_BYTES = 25 * 2**20
-
-
-def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive tensors grouped by dtype and device, each group cut at ``cap_bytes``."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        last = buckets[-1] if buckets else None
-        nbytes = t.numel() * t.element_size()
-        if last is None or (t.dtype, t.device) != (last[0].dtype, last[0].device) or size + nbytes > cap_bytes:
-            buckets.append([t])
-            size = nbytes
-        else:
-            last.append(t)
-            size += nbytes
-    return buckets
-
-
-def _finish(work: Any, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
-    """Wait for a bucket's all-reduce and copy the averaged values back into its gradients."""
-    work.wait()
-    if len(bucket) > 1:
-        offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
 
 class ElasticEngine:
@@ -218,6 +111,9 @@ class ElasticEngine:
         self.logs = LogBuffer(log_fn)
         self.meter = MemoryMeter(device)
         self.snapshot = UpdateSnapshot()
+        self.update_protected = False
+        self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
+        self._fingerprint: list[Any] | None = None
         # Policy state (saved in checkpoints).
         self.clean_steps = 0
         self.oom_events = 0
@@ -272,8 +168,6 @@ class ElasticEngine:
             self.micro_batch_size = n
         rng = RNGState()
         metrics = self._metric_states(module)
-        if self.protect_update:
-            self.snapshot.capture(optimizer)
         static = self.meter.start()
         replayed = False
         while True:
@@ -286,35 +180,34 @@ class ElasticEngine:
             failed_in = ""
             cause: BaseException | None = None
             try:
-                result = step(self._multi_closure(closure, module, ddp_model))
+                result = step(self._multi_closure(closure, module, ddp_model, optimizer))
             except BaseException as exc:
                 self.logs.discard()
-                if not (is_oom_error(exc) or isinstance(exc, _PeerOutOfMemory)):
+                if not (is_oom_error(exc) or isinstance(exc, PeerOutOfMemory)):
                     raise
                 failed_in = self.phase
-                if failed_in == "update" and self.agree.enabled:
-                    self.agree.any(True)
+                if failed_in == "update":
+                    if self.agree.enabled:
+                        self.agree.any(True)
+                    self._check_replayable(optimizer, peer=False, cause=exc)
                 next_micro = self._shrink(micro)
                 if next_micro is None:
-                    raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, _PeerOutOfMemory)) from exc
-                if failed_in == "update" and not self.protect_update:
-                    raise OutOfMemoryAtMinimumError(_UNPROTECTED) from exc
+                    raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
                 cause = exc
             else:
                 if self.agree.enabled and self.agree.any(False):
                     failed_in = "update"  # a peer failed in its update: undo ours too
+                    self._check_replayable(optimizer, peer=True, cause=None)
                     next_micro = self._shrink(micro)
                     if next_micro is None:
                         raise self._floor_error(n, micro, failed_in, peer=True)
-                    if not self.protect_update:
-                        raise OutOfMemoryAtMinimumError(_UNPROTECTED + " (another rank ran out of memory in it)")
             if not failed_in:
                 break
             # Recover outside the except block: its traceback holds the frames of the failed attempt.
             del cause
             optimizer.zero_grad(set_to_none=True)
             release_memory(module.parameters(), self.device, static_bytes=static)
-            if failed_in == "update":
+            if failed_in == "update" and self.update_protected:
                 self.snapshot.restore()
             if scaler is not None:
                 scaler._per_optimizer_states.clear()  # forget unscale_/inf checks of the failed attempt
@@ -327,8 +220,39 @@ class ElasticEngine:
             replayed = True
             static = self.meter.start()
         self.logs.flush()
+        if self.update_protected:
+            self.snapshot.release()  # the protected update succeeded: steady-state steps hold no host copy
         self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
+
+    def _prepare_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Right before the update: a host copy of what it changes when it creates optimizer state (those updates
+        allocate the most and are the ones that run out of memory), else only a fingerprint of what it may change,
+        so an OOM before any change replays without a copy. The same decision on every rank (same parameters, same
+        state)."""
+        self.update_protected = self.protect_update and creates_state(optimizer)
+        if self.update_protected:
+            self.snapshot.capture(optimizer)
+            self.snapshot.wait()
+            self.update_snapshot_bytes = self.snapshot.held_bytes
+            self._fingerprint = None
+        else:
+            self.update_snapshot_bytes = 0
+            self._fingerprint = update_fingerprint(optimizer)
+
+    def _check_replayable(self, optimizer: torch.optim.Optimizer, *, peer: bool, cause: BaseException | None) -> None:
+        """After an OOM in the update (here or on a peer): go on when every rank can undo or repeat its update (a
+        snapshot, or nothing changed), else end the run on every rank with one clear error."""
+        if peer:  # our update finished: only a snapshot can undo it
+            replayable = self.update_protected
+        else:
+            replayable = self.update_protected or update_fingerprint(optimizer) == self._fingerprint
+        if self.agree.enabled:
+            replayable = not self.agree.any(not replayable)
+        if not replayable:
+            who = " (of another rank)" if peer else " (of this rank or another)" if self.agree.enabled else ""
+            why = _WHY_STEADY if self.protect_update else _WHY_OFF
+            raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(who=who, why=why)) from cause
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
         """The model's torchmetrics states now (the metrics are looked up once per fit)."""
@@ -347,7 +271,8 @@ class ElasticEngine:
                 "pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler)."
             )
 
-    def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any) -> Callable[[], Any]:
+    def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any,
+                       optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         def run_micro_batches() -> Any:
             total = None
             for i in range(len(self.sizes)):
@@ -362,12 +287,11 @@ class ElasticEngine:
                         self.agree.any(True)  # tell the peers before leaving
                     raise
                 if self.agree.enabled and self.agree.any(False):
-                    raise _PeerOutOfMemory()
+                    raise PeerOutOfMemory()
                 if loss is not None:
                     total = loss if total is None else total + loss
             self.agree.average_gradients([p for p in module.parameters() if p.requires_grad])
-            if self.protect_update:
-                self.snapshot.wait()
+            self._prepare_update(optimizer)
             self.phase = "update"
             _set_closure_loss(closure, total)
             return total

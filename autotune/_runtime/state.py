@@ -64,8 +64,9 @@ class MetricStates:
 class UpdateSnapshot:
     """A host copy of parameters and optimizer state, taken before an update so a failed update can be undone.
 
-    Host buffers are allocated once and reused. On CUDA the copies run on a side stream into pinned memory while
-    forward and backward run, and :meth:`wait` makes the update wait for them.
+    Taken only before updates that create optimizer state (see ``ElasticEngine``); its host buffers are kept while
+    that update may be replayed and freed by :meth:`release` once it succeeded, so steady-state training holds none.
+    On CUDA the copies go to pinned memory on a side stream, and :meth:`wait` makes the update wait for them.
     """
 
     def __init__(self) -> None:
@@ -107,6 +108,17 @@ class UpdateSnapshot:
         self._groups = [{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self._optimizer = optimizer
 
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes the snapshot holds now (0 after :meth:`release`)."""
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+
+    def release(self) -> None:
+        """Free the host buffers (the next :meth:`capture` allocates them again)."""
+        self.wait()
+        self._buffers, self._params, self._state, self._groups = {}, [], {}, []
+        self._optimizer = None
+
     def wait(self) -> None:
         """Make the current CUDA stream wait until the capture is complete (no-op on CPU)."""
         if self._stream is not None:
@@ -140,6 +152,35 @@ class UpdateSnapshot:
                         state[k] = _copy_value(v)
         for group, saved_group in zip(optimizer.param_groups, self._groups):
             group.update({k: _copy_value(v) for k, v in saved_group.items()})
+
+
+def update_parameters(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The parameters the next update will change: those with a gradient, less those whose update runs on the host
+    (an offloaded optimizer's ``offloaded_parameters``: the device cannot run out of memory in their update)."""
+    host = {id(p) for p in getattr(optimizer, "offloaded_parameters", ())}
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and id(p) not in host]
+
+
+def creates_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the next update creates optimizer state: some parameter it changes has none yet (the first update,
+    parameters added or unfrozen later). Such updates allocate the most, so they are the ones that run out of
+    memory in practice."""
+    state = optimizer.state
+    return any(not state.get(p) for p in update_parameters(optimizer))
+
+
+def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """What an update may change, cheaply: the version counter of every parameter and state tensor (bumped by every
+    in-place change), the other state values, and the state's keys. Equal before and after a failed update means the
+    update changed nothing and can simply run again. The cost is a few Python objects per parameter, whatever the
+    model's size."""
+    from autotune._compat import tensor_version
+
+    marks: list[Any] = [tensor_version(p) for group in optimizer.param_groups for p in group["params"]]
+    for p, state in optimizer.state.items():
+        marks.append(id(p))
+        marks += [(k, tensor_version(v) if isinstance(v, Tensor) else v) for k, v in state.items()]
+    return marks
 
 
 def _copy_state(value: Any) -> Any:

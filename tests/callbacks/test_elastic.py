@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback
 
 from autotune import OutOfMemoryAtMinimumError
 from autotune.callbacks import ElasticBatchSize
@@ -22,11 +23,12 @@ def native(*, micro: int, n: int = N * STEPS, **model_kwargs: object) -> tuple[T
 
 
 def elastic(fault: Fault | None, *, n: int = N * STEPS, batch: int = N, cb: ElasticBatchSize | None = None,
-            kind: str = "tuple", **kwargs: object) -> tuple[ToyModel, object, ElasticBatchSize]:
+            kind: str = "tuple", extra: tuple[Callback, ...] = (),
+            **kwargs: object) -> tuple[ToyModel, object, ElasticBatchSize]:
     cb = cb or ElasticBatchSize(grow=False)
     model_kwargs = {k: kwargs.pop(k) for k in ("dropout", "optimizer", "scheduler") if k in kwargs}
     model = ToyModel(fault=fault, kind=kind, **model_kwargs)  # type: ignore[arg-type]
-    t = fit(model, loader(n, batch, kind), [cb], gradient_clip_val=0.5, **kwargs)
+    t = fit(model, loader(n, batch, kind), [cb, *extra], gradient_clip_val=0.5, **kwargs)
     return model, t, cb
 
 
@@ -122,8 +124,65 @@ def test_fp16_grad_scaler_state_is_correct_after_replay() -> None:
 
 
 def test_protect_update_false_refuses_to_replay_a_half_applied_update() -> None:
-    with pytest.raises(OutOfMemoryAtMinimumError, match="inside the optimizer update with protect_update=False"):
+    with pytest.raises(OutOfMemoryAtMinimumError, match=r"inside the optimizer update after it had changed parameters "
+                       r"or optimizer state: the update is half-applied and cannot be replayed. "
+                       r"protect_update=False: no update is protected"):
         elastic(Fault("step", limit=16), cb=ElasticBatchSize(grow=False, protect_update=False))
+
+
+class SnapshotBytes(Callback):
+    """Host bytes each step's update snapshot copied, and what the snapshot still holds after the step."""
+
+    def __init__(self, elastic: ElasticBatchSize) -> None:
+        self.elastic, self.copied, self.held = elastic, [], []
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.copied.append(self.elastic.update_snapshot_bytes)
+        self.held.append(self.elastic.engine.snapshot.held_bytes)
+
+
+def test_only_updates_that_create_state_are_copied_and_steady_state_copies_nothing() -> None:
+    cb = ElasticBatchSize(grow=False)
+    probe = SnapshotBytes(cb)
+    model, _, _ = elastic(Fault("step", limit=16), cb=cb, extra=(probe,))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert probe.copied[0] == params  # the first update creates AdamW's state: its parameters are copied
+    assert probe.copied[1:] == [0] * (STEPS - 1)  # steady state: nothing copied to the host
+    assert probe.held == [0] * STEPS  # and nothing held between steps
+    assert max_weight_diff(model, native(micro=16)[0]) == 0.0
+
+
+def test_a_later_update_that_creates_state_is_replayed_exactly() -> None:
+    # The first layer is unfrozen at step 2: that update creates its AdamW state, and runs out of memory half-way.
+    fault = Fault("step", limit=16, steps=lambda s: s == 2)
+    cb = ElasticBatchSize(grow=False, micro_batch_size=32)
+    probe = SnapshotBytes(cb)
+    model = ToyModel(fault=fault, unfreeze_at=2)
+    fit(model, loader(N * STEPS, N), [cb, probe], gradient_clip_val=0.5)
+    assert fault.hits == [(2, 32)]
+    assert [(e.kind, e.step, e.where) for e in cb.events] == [("oom", 2, "update")]
+    ref = reference(loader(N * STEPS, N), [32, 32, 16, 16], clip=0.5, unfreeze_at=2)
+    assert max_weight_diff(model, ref) == 0.0
+    first_layer = sum(p.numel() * 4 for p in model.net[0].parameters())
+    assert probe.copied[2] > first_layer and probe.copied[3] == 0
+
+
+def test_a_steady_state_update_oom_before_any_change_replays_without_a_copy() -> None:
+    fault = Fault("step_start", limit=16, steps=lambda s: s == 2)
+    cb = ElasticBatchSize(grow=False, micro_batch_size=32)
+    probe = SnapshotBytes(cb)
+    model, _, _ = elastic(fault, cb=cb, extra=(probe,))
+    assert fault.hits == [(2, 32)] and [(e.kind, e.step) for e in cb.events] == [("oom", 2)]
+    assert probe.copied[1:] == [0] * (STEPS - 1)
+    ref = reference(loader(N * STEPS, N), [32, 32, 16, 16], clip=0.5)
+    assert max_weight_diff(model, ref) == 0.0
+
+
+def test_a_half_applied_steady_state_update_ends_fit_with_a_clear_error() -> None:
+    with pytest.raises(OutOfMemoryAtMinimumError, match=r"half-applied and cannot be replayed. Updates that create "
+                       r"optimizer state \(the first one, parameters added later\) are protected by a host copy; this "
+                       r"one was not, its state already existed.*foreach=False"):
+        elastic(Fault("step", limit=16, steps=lambda s: s == 2), cb=ElasticBatchSize(grow=False, micro_batch_size=32))
 
 
 def test_minimum_reached_ends_fit_with_a_clear_chained_error() -> None:

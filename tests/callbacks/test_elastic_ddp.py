@@ -45,10 +45,10 @@ def test_oom_on_one_rank_shrinks_all_and_matches_native(native: list[dict], tmp_
 
 
 def test_gradients_travel_in_buckets_cut_by_size_and_dtype() -> None:
-    from autotune._runtime.microbatch import _buckets
+    from autotune._runtime.agreement import make_buckets
 
     f32 = [torch.zeros(n) for n in (10, 20, 5, 40)]  # 40, 80, 20, 160 bytes
     half = torch.zeros(3, dtype=torch.bfloat16)
-    buckets = _buckets([f32[0], f32[1], f32[2], half, f32[3]], cap_bytes=128)
+    buckets = make_buckets([f32[0], f32[1], f32[2], half, f32[3]], cap_bytes=128)
     assert [[t.numel() for t in b] for b in buckets] == [[10, 20], [5], [3], [40]]
     assert buckets[0][0] is f32[0] and buckets[2][0] is half

@@ -21,7 +21,7 @@ IN, OUT = 8, 2
 
 @dataclass
 class Fault:
-    where: str  # "forward" | "backward" | "step" | "validation"
+    where: str  # "forward" | "backward" | "step" (after a partial update) | "step_start" (before it) | "validation"
     limit: int  # micro-batches larger than this run out of memory
     steps: Callable[[int], bool] = lambda step: True  # at which global steps
     rank: int | None = None  # only on this rank (DDP)
@@ -52,7 +52,10 @@ class FaultyAdamW(torch.optim.AdamW):
         module = self.module
         if self.fault is not None and module is not None:
             size = module.last_micro_size
-            if self.fault.fires(module.trainer.global_step, size, module.global_rank):
+            if self.fault.where == "step_start" and self.fault.fires(module.trainer.global_step, size,
+                                                                     module.global_rank):
+                raise oom()  # before the update changed anything
+            if self.fault.where == "step" and self.fault.fires(module.trainer.global_step, size, module.global_rank):
                 with torch.no_grad():
                     first = self.param_groups[0]["params"][0]
                     first.add_(1.0)  # a half-applied multi-tensor update
@@ -101,6 +104,7 @@ class ToyModel(L.LightningModule):
         lr: float = 0.05,
         scheduler: bool = True,
         optimizer: str = "adamw",
+        unfreeze_at: int | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -115,6 +119,8 @@ class ToyModel(L.LightningModule):
         self.val_seen: list[int] = []
         self.last_micro_size = 0
         self.lrs: list[float] = []
+        self.unfreeze_at = unfreeze_at  # the first layer trains from this step on (its optimizer state starts there)
+        self.net[0].requires_grad_(unfreeze_at is None)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(self.net(x), y)
@@ -134,6 +140,10 @@ class ToyModel(L.LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self.unfreeze_at:
+            self.net[0].requires_grad_(True)
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
@@ -150,7 +160,7 @@ class ToyModel(L.LightningModule):
             optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         else:
             optimizer = FaultyAdamW(self.parameters(), lr=self.lr)
-            optimizer.fault = self.fault if self.fault is not None and self.fault.where == "step" else None
+            optimizer.fault = self.fault if self.fault is not None and self.fault.where.startswith("step") else None
             optimizer.module = self
         if not self.use_scheduler:
             return optimizer
@@ -195,12 +205,15 @@ def reference(
     kind: str = "tuple",
     clip: float | None = None,
     lr: float = 0.05,
+    unfreeze_at: int | None = None,
 ) -> ToyModel:
     """Plain PyTorch: step ``s`` accumulates micro-batches of ``micro_sizes[s]`` and takes one AdamW step."""
-    model = ToyModel(kind=kind, lr=lr)
+    model = ToyModel(kind=kind, lr=lr, unfreeze_at=unfreeze_at)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     for step, batch in enumerate(data):
+        if step == unfreeze_at:
+            model.net[0].requires_grad_(True)
         x, y, _ = unpack(batch, kind)
         n = len(x)
         m = min(micro_sizes[step], n)
