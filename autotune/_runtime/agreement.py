@@ -18,12 +18,20 @@ class PeerOutOfMemory(RuntimeError):
 
 
 class Agreement:
-    """The few collectives that keep ranks in step; everything is local when there is one process."""
+    """The collectives that keep ranks in step; everything is local when there is one process.
+
+    A step that no rank fails costs one small collective, :meth:`vote`, besides the gradients' own all-reduces:
+    micro-batches run under ``no_sync`` (no collective in them), so a rank that runs out of memory in one stops
+    there and brings its failure to the vote, which every rank reaches before any gradient collective.
+    """
 
     def __init__(self, device: torch.device, world_size: int) -> None:
         self.enabled = world_size > 1 and dist.is_available() and dist.is_initialized()
         self.device = device
+        self.votes = 0  # collectives made to agree (not the gradients' all-reduces), for benchmarks and tests
         self._buffers: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._expected: list[bool] | None = None  # which parameters the last step reduced
+        self._prepared: list[bool] | None = None  # what this step's vote prepared for
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""
@@ -38,33 +46,72 @@ class Agreement:
         t = torch.tensor(values, dtype=torch.float64 if self.device.type != "mps" else torch.float32)
         t = t.to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.votes += 1
         return t.tolist()
 
-    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Average gradients over ranks as DDP does (divide by world size, then sum), once per step.
+    def vote(self, params: list[torch.nn.Parameter], *, failed: bool, count: int) -> tuple[bool, bool, list[bool]]:
+        """The step's one agreement, before any gradient collective: whether any rank ``failed`` (ran out of memory),
+        whether every rank split its batch into ``count`` micro-batches, and which parameters got a gradient on some
+        rank.
 
-        Like DDP, gradients travel in flat buckets of about ``GRADIENT_BUCKET_BYTES``, two in flight, through
-        buffers kept from step to step (allocated, like any gradient, before the ranks agree that none ran out of
-        memory, so no rank is left alone in a collective).
+        Gradients of parameters that were reduced last step but have none here are made zeros before the vote, and
+        the bucket buffers sized, so the usual step allocates nothing after it; an OOM doing so is this rank's
+        failure, voted like any other.
+        """
+        local = [p.grad is not None for p in params]
+        made: list[torch.nn.Parameter] = []
+        self._prepared = None
+        if not failed:
+            try:
+                self._prepared = self._expected or local
+                made = self._prepare(params, self._prepared)
+            except BaseException as exc:
+                if not is_oom_error(exc):
+                    raise
+                failed = True
+        values = [float(failed), float(count), float(-count), *(1.0 if used else 0.0 for used in local)]
+        reduced = self.max(*values)
+        any_failed, most, least = reduced[0] > 0, int(reduced[1]), int(-reduced[2])
+        used = [u > 0 for u in reduced[3:]]
+        index = {id(p): i for i, p in enumerate(params)} if made else {}
+        for p in made:
+            if not used[index[id(p)]]:
+                p.grad = None  # a zero made for a parameter no rank used this step: leave it out, as DDP does
+        return any_failed, most == least, used
+
+    def _prepare(self, params: list[torch.nn.Parameter], used: list[bool]) -> list[torch.nn.Parameter]:
+        """Zeros for the gradients of ``used`` parameters that have none, and bucket buffers for the ``used``
+        gradients; returns the parameters given a zero gradient."""
+        made = []
+        for p, needed in zip(params, used):
+            if needed and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                made.append(p)
+        self._ensure_bucket_buffers(make_buckets([p.grad for p, needed in zip(params, used) if needed],
+                                                 GRADIENT_BUCKET_BYTES))
+        return made
+
+    def average_gradients(self, params: list[torch.nn.Parameter], used: list[bool]) -> None:
+        """Average the ``used`` parameters' gradients over ranks as DDP does (divide by world size, then sum).
+
+        Like DDP, gradients travel in flat buckets of about ``GRADIENT_BUCKET_BYTES``, two in flight, through buffers
+        kept from step to step. When the set of parameters used changed since the last step, what it needs is
+        allocated now and the ranks agree on it once more before the all-reduces (no rank is left in one alone).
         """
         if not self.enabled:
             return
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)  # a parameter used on any rank is reduced on all
-        used = [bool(u) for u in has_grad.tolist()]
-        failed = False
-        try:
-            for p, needed in zip(params, used):
-                if needed and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            buckets = make_buckets([p.grad for p, needed in zip(params, used) if needed], GRADIENT_BUCKET_BYTES)
-            self._ensure_bucket_buffers(buckets)
-        except BaseException as exc:
-            if not is_oom_error(exc):
-                raise
-            failed = True
-        if self.any(failed):  # agree before the all-reduces, so no rank is left in one alone
-            raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else PeerOutOfMemory()
+        if used != self._prepared:
+            failed = False
+            try:
+                self._prepare(params, used)
+            except BaseException as exc:
+                if not is_oom_error(exc):
+                    raise
+                failed = True
+            if self.any(failed):
+                raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else PeerOutOfMemory()
+        self._expected = used
+        buckets = make_buckets([p.grad for p, needed in zip(params, used) if needed], GRADIENT_BUCKET_BYTES)
         world = dist.get_world_size()
         pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
         slots: dict[tuple[torch.dtype, torch.device], int] = {}

@@ -114,6 +114,7 @@ class ElasticEngine:
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None
+        self._used: list[bool] = []  # which parameters' gradients this step reduces (DDP)
         # Policy state (saved in checkpoints).
         self.clean_steps = 0
         self.oom_events = 0
@@ -160,8 +161,6 @@ class ElasticEngine:
     ) -> Any:
         """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM."""
         n = self.batch_size
-        if self.agree.enabled:
-            self._check_same_split(n)
         if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
             return step(closure)
         if self.micro_batch_size is None:
@@ -173,8 +172,6 @@ class ElasticEngine:
         while True:
             micro = min(self.micro_batch_size, n)
             self.sizes = split_sizes(n, micro)
-            if replayed and self.agree.enabled:
-                self._check_same_split(n)
             self.phase = "closure"
             self.logs.start()
             failed_in = ""
@@ -187,17 +184,14 @@ class ElasticEngine:
                     raise
                 failed_in = self.phase
                 if failed_in == "update":
-                    if self.agree.enabled:
-                        self.agree.any(True)
-                    self._check_replayable(optimizer, peer=False, cause=exc)
+                    self._check_replayable(optimizer, cause=exc)
                 next_micro = self._shrink(micro)
                 if next_micro is None:
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
                 cause = exc
             else:
-                if self.agree.enabled and self.agree.any(False):
-                    failed_in = "update"  # a peer failed in its update: undo ours too
-                    self._check_replayable(optimizer, peer=True, cause=None)
+                if self.agree.enabled and self.update_protected and self.agree.any(False):
+                    failed_in = "update"  # a peer failed in its protected update: undo ours too
                     next_micro = self._shrink(micro)
                     if next_micro is None:
                         raise self._floor_error(n, micro, failed_in, peer=True)
@@ -238,21 +232,26 @@ class ElasticEngine:
             self._fingerprint = None
         else:
             self.update_snapshot_bytes = 0
-            self._fingerprint = update_fingerprint(optimizer)
+            # One process may repeat an update that changed nothing; under DDP the peers have moved on.
+            self._fingerprint = None if self.agree.enabled else update_fingerprint(optimizer)
 
-    def _check_replayable(self, optimizer: torch.optim.Optimizer, *, peer: bool, cause: BaseException | None) -> None:
-        """After an OOM in the update (here or on a peer): go on when every rank can undo or repeat its update (a
-        snapshot, or nothing changed), else end the run on every rank with one clear error."""
-        if peer:  # our update finished: only a snapshot can undo it
-            replayable = self.update_protected
-        else:
-            replayable = self.update_protected or update_fingerprint(optimizer) == self._fingerprint
-        if self.agree.enabled:
-            replayable = not self.agree.any(not replayable)
-        if not replayable:
-            who = " (of another rank)" if peer else " (of this rank or another)" if self.agree.enabled else ""
-            why = _WHY_STEADY if self.protect_update else _WHY_OFF
-            raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(who=who, why=why)) from cause
+    def _check_replayable(self, optimizer: torch.optim.Optimizer, *, cause: BaseException) -> None:
+        """After an OOM in this rank's update: go on when it can be undone (a snapshot) or repeated (it changed
+        nothing, one process), else end the run with one clear error.
+
+        Under DDP a protected update (one that creates state) is followed by a vote, so the peers roll theirs back
+        too. A steady-state update is not (one collective per step): its OOM ends the run on this rank, and the
+        launcher ends the others (Lightning's launchers and torchrun stop every rank when one fails); a vote here
+        could meet whatever collective a peer makes next and mismatch it."""
+        if self.update_protected:
+            if self.agree.enabled:
+                self.agree.any(True)  # the peers' vote after their update
+            return
+        if not self.agree.enabled and update_fingerprint(optimizer) == self._fingerprint:
+            return
+        who = " (of this rank; the other ranks stop with it)" if self.agree.enabled else ""
+        why = _WHY_STEADY if self.protect_update else _WHY_OFF
+        raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(who=who, why=why)) from cause
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
         """The model's torchmetrics states now (the metrics are looked up once per fit)."""
@@ -260,21 +259,11 @@ class ElasticEngine:
             self._metrics = MetricStates.find(module)
         return MetricStates(self._metrics)
 
-    def _check_same_split(self, n: int | None) -> None:
-        """Under DDP every rank must run as many micro-batches (each is followed by a vote): check it, together."""
-        count = len(split_sizes(n, min(self.micro_batch_size or n, n))) if n else 0
-        most, least = self.agree.max(float(count), float(-count))
-        if most != -least:
-            raise RuntimeError(
-                f"ElasticBatchSize: the ranks got batches of different sizes ({int(-least)} to {int(most)} "
-                "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler "
-                "pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler)."
-            )
-
     def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any,
                        optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         def run_micro_batches() -> Any:
             total = None
+            failure: BaseException | None = None
             for i in range(len(self.sizes)):
                 self.index = i
                 self.logs.n = self.sizes[i]
@@ -283,20 +272,37 @@ class ElasticEngine:
                     with sync_off:
                         loss = closure()
                 except BaseException as exc:
-                    if self.agree.enabled and is_oom_error(exc):
-                        self.agree.any(True)  # tell the peers before leaving
-                    raise
-                if self.agree.enabled and self.agree.any(False):
-                    raise PeerOutOfMemory()
+                    if not (self.agree.enabled and is_oom_error(exc)):
+                        raise
+                    failure = exc  # no collective in the micro-batches: bring the failure to the step's vote
+                    break
                 if loss is not None:
                     total = loss if total is None else total + loss
-            self.agree.average_gradients([p for p in module.parameters() if p.requires_grad])
+            params = list(module.parameters())
+            if self.agree.enabled:
+                self._vote(params, failure)
+            self.agree.average_gradients(params, self._used)
             self._prepare_update(optimizer)
             self.phase = "update"
             _set_closure_loss(closure, total)
             return total
 
         return run_micro_batches
+
+    def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None) -> None:
+        """The step's one collective: did any rank run out of memory, do all split alike, which gradients to reduce."""
+        failed, same_split, self._used = self.agree.vote(params, failed=failure is not None, count=len(self.sizes))
+        if failed:
+            if failure is not None:
+                raise failure
+            raise PeerOutOfMemory()
+        if not same_split:
+            raise RuntimeError(
+                "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers "
+                "of micro-batches this step); every rank must see the same batch size (Lightning's "
+                "DistributedSampler pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom "
+                "sampler)."
+            )
 
     def _shrink(self, micro: int) -> int | None:
         """The micro-batch to replay with after an OOM at ``micro``; None when nothing smaller is allowed."""
