@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
 from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
+from autotune._compat import set_cuda_allocator_settings
 from autotune._plan.plan import Plan, Provenance
 
 log = logging.getLogger("autotune")
@@ -41,7 +42,7 @@ class ApplyPlan(Callback):
         optimizer_offload: run the optimizers from ``configure_optimizers`` with their state on the host and their
             update on the CPU (torchao's ``CPUOffloadOptimizer``, one CUDA GPU); LR schedulers keep working.
         compile: ``torch.compile`` each repeated block in place.
-        expandable_segments: set the CUDA allocator's ``expandable_segments:True``; refused once CUDA has started.
+        expandable_segments: turn the CUDA allocator's ``expandable_segments`` on at ``setup``, off at teardown.
         num_workers: set the DataModule's ``num_workers`` (None: leave it).
         pin_memory: set the DataModule's ``pin_memory`` (None: leave it).
         provenance: where the plan was measured; a different device at run time gives a warning.
@@ -70,8 +71,6 @@ class ApplyPlan(Callback):
                     "optimizer_offload": optimizer_offload, "compile": compile,
                     "expandable_segments": expandable_segments, "num_workers": num_workers, "pin_memory": pin_memory}
         self.plan = Plan.from_dict(settings, provenance=Provenance.from_dict(provenance or {}))
-        if expandable_segments:
-            _set_expandable_segments()
         self._undo: list[Callable[[], None]] = []
         self._offload: ExitStack | None = None
         self.checkpointed: list[torch.nn.Module] = []
@@ -82,7 +81,7 @@ class ApplyPlan(Callback):
         plan = self.plan
         device = trainer.strategy.root_device
         if plan.expandable_segments and device.type == "cuda":
-            _set_expandable_segments()  # refuses when CUDA started without the setting
+            self._undo.append(_expandable_segments())
         self._warn_if_other_device(device)
         if plan.optimizer_offload and stage == "fit":
             _check_optimizer_offload(trainer)
@@ -199,17 +198,11 @@ def _grads_change_after_backward(trainer: Trainer, pl_module: LightningModule) -
     return any(is_overridden(hook, callback, Callback) for callback in trainer.callbacks for hook in hooks)
 
 
-def _set_expandable_segments() -> None:
-    current = os.environ.get(_ALLOC_CONF, "")
-    if "expandable_segments:True" not in current:
-        if torch.cuda.is_initialized():
-            raise MisconfigurationException(
-                "ApplyPlan(expandable_segments=True) must act before CUDA starts, but CUDA is already initialized. "
-                f"Start the run with {_ALLOC_CONF}=expandable_segments:True in the environment, or create the "
-                "callback before anything touches CUDA."
-            )
-        os.environ[_ALLOC_CONF] = f"{current},expandable_segments:True" if current else "expandable_segments:True"
-    # Also tell the allocator directly: it may have read the environment when torch was imported.
-    set_allocator_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if set_allocator_settings is not None:
-        set_allocator_settings("expandable_segments:True")
+def _expandable_segments() -> Callable[[], None]:
+    """Turn the CUDA caching allocator's expandable segments on (for the segments it makes from now on) and return
+    what turns them off again, unless the environment had them on. Process-wide: set in ``setup``, undone at
+    ``teardown``; the environment is never changed."""
+    if "expandable_segments:True" in os.environ.get(_ALLOC_CONF, ""):
+        return lambda: None  # on for the whole process already
+    set_cuda_allocator_settings("expandable_segments:True")
+    return lambda: set_cuda_allocator_settings("expandable_segments:False")

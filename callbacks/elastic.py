@@ -59,6 +59,7 @@ class ElasticBatchSize(Callback):
         >>> trainer = Trainer(callbacks=[ElasticBatchSize(budget="20GiB")], accumulate_grad_batches=1)  # doctest: +SKIP
     """
 
+    #: The strategy types supported, exactly: a subclass (DeepSpeed's and XLA's derive from DDP's) is refused.
     SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
     def __init__(
@@ -114,8 +115,9 @@ class ElasticBatchSize(Callback):
     # ----------------------------------------------------------------------------------------------- set up
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _check_strategy(trainer, self.SUPPORTED_STRATEGIES)
         if stage == "fit":
-            _check_trainer(trainer, pl_module, self.SUPPORTED_STRATEGIES)
+            _check_trainer(trainer, pl_module)
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
             rank_zero_warn(
                 "ElasticBatchSize: the model has BatchNorm layers; splitting a batch changes their batch statistics "
@@ -243,6 +245,7 @@ class ElasticBatchSize(Callback):
             "autotune/micro_batch_size": float(min(engine.micro_batch_size, engine.batch_size or 1)),
             "autotune/num_micro_batches": float(len(engine.sizes)),
             "autotune/oom_events": float(engine.oom_events),
+            "autotune/over_budget_events": float(engine.over_budget_events),
             "autotune/peak_memory_gib": engine.last_peak_bytes / 2**30,
         }
         for name, value in metrics.items():
@@ -287,7 +290,18 @@ def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}")
 
 
-def _check_trainer(trainer: Trainer, pl_module: LightningModule, supported: tuple[type, ...]) -> None:
+def _check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
+    strategy = trainer.strategy
+    if type(strategy) not in supported:
+        names = " or ".join(cls.__name__ for cls in supported)
+        raise MisconfigurationException(
+            f"ElasticBatchSize does not support {type(strategy).__name__}: it runs with {names} exactly (one device, "
+            "or strategy='ddp', 'ddp_spawn', 'ddp_fork'). FSDP, DeepSpeed, XLA and model-parallel strategies are not "
+            "supported yet; remove the callback or use one of these."
+        )
+
+
+def _check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:
     if trainer.accumulate_grad_batches != 1:
         raise MisconfigurationException(
             f"ElasticBatchSize does the gradient accumulation itself, but the Trainer has "
@@ -299,10 +313,4 @@ def _check_trainer(trainer: Trainer, pl_module: LightningModule, supported: tupl
         raise MisconfigurationException(
             "ElasticBatchSize needs automatic optimization, but the LightningModule sets "
             "`automatic_optimization = False`. Remove the callback, or switch to automatic optimization."
-        )
-    strategy = trainer.strategy
-    if not isinstance(strategy, supported):
-        raise MisconfigurationException(
-            f"ElasticBatchSize does not support {type(strategy).__name__} yet (FSDP, DeepSpeed and model-parallel "
-            "strategies are not supported); use a single device or DDP (strategy='ddp')."
         )

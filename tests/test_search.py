@@ -332,3 +332,14 @@ def test_measure_plan_refuses_bad_input() -> None:
         measure_plan(target="t.py:make", plan={"micro_batch_size": 8})
     with pytest.raises(ValueError, match=r"warmup must be an int >= 1; got 0"):
         measure_plan(target="t.py:make", plan=Plan(), warmup=0)
+
+
+def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
+    optuna.logging.set_verbosity(optuna.logging.DEBUG)
+    try:
+        with pytest.raises(NoFeasiblePlanError):  # every plan is over a tiny budget; the level comes back anyway
+            search(target=f"{FIXTURE}:make_huge", budget="600MiB", space="cpu", trials=1,
+                   storage=f"sqlite:///{tmp_path}/s.db", out=None, seed=0, **FAST)
+        assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)

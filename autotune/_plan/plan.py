@@ -127,7 +127,7 @@ class Plan:
         optimizer_offload: keep the optimizer state on the host and run the update on the CPU (torchao's
             ``CPUOffloadOptimizer``; one CUDA GPU, ``pip install 'lightning-autotune[offload]'``).
         compile: compile each repeated block with ``torch.compile`` (regional compilation).
-        expandable_segments: CUDA allocator setting ``expandable_segments:True``; must be set before CUDA starts.
+        expandable_segments: CUDA allocator setting ``expandable_segments:True``, on from ``setup`` to teardown.
         num_workers: DataModule ``num_workers`` (None: leave as is).
         pin_memory: DataModule ``pin_memory`` (None: leave as is).
         provenance: where the plan came from and what was measured.

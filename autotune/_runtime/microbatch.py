@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
@@ -44,6 +45,22 @@ GROW_HEADROOM = 0.9
 @rank_zero_only
 def _info(msg: str) -> None:
     log.info(msg)
+
+
+_LATER = "Later ones are not warned about again: see the {metric} metric and ElasticBatchSize.events."
+#: What the user is told once per kind and fit (rank zero), besides the INFO log line of every event.
+_WARN_ONCE = {
+    "oom": "ElasticBatchSize: out of memory at step {step} (in the {where}); the step was replayed at micro-batch "
+           "{new} (was {previous}). " + _LATER.format(metric="autotune/oom_events"),
+    "grow_failed": "ElasticBatchSize: growing the micro-batch to {previous} ran out of memory at step {step}; it "
+                   "went back to {new} and waits twice as long before trying again. "
+                   + _LATER.format(metric="autotune/oom_events"),
+    "eval_oom": "ElasticBatchSize: out of memory in {where}; its batches are now split into micro-batches of {new}. "
+                + _LATER.format(metric="autotune/oom_events"),
+    "over_budget": "ElasticBatchSize: the step's peak {peak} went over the budget {budget} at micro-batch {previous} "
+                   "(step {step}); the next step runs at {new}. "
+                   + _LATER.format(metric="autotune/over_budget_events"),
+}
 
 
 _HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had changed parameters or optimizer state: "
@@ -118,6 +135,8 @@ class ElasticEngine:
         # Policy state (saved in checkpoints).
         self.clean_steps = 0
         self.oom_events = 0
+        self.over_budget_events = 0
+        self._warned: set[str] = set()  # event kinds already warned about (once per kind and fit)
         self.growing_from: int | None = None
         self.events: list[ElasticEvent] = []
         self.eval_micro_batch_size: dict[str, int] = {}
@@ -354,6 +373,8 @@ class ElasticEngine:
         if kind in ("oom", "grow_failed", "eval_oom"):
             self.oom_events += 1
             self.clean_steps = 0
+        if kind == "over_budget":
+            self.over_budget_events += 1
         if kind == "grow_failed":
             self.grow_wait *= 2
         peak = self.meter.peak() if peak is None else peak
@@ -361,6 +382,11 @@ class ElasticEngine:
         self.events.append(event)
         del self.events[:-1000]  # keep the checkpoint small on very long runs
         _info(f"autotune: {kind} at step {step} ({where or 'step'}): micro-batch {previous} -> {new}")
+        warning = _WARN_ONCE.get(kind)
+        if warning is not None and kind not in self._warned:
+            self._warned.add(kind)
+            rank_zero_warn(warning.format(step=step, where=where or "step", previous=previous, new=new,
+                                          peak=format_bytes(peak), budget=self.budget_text))
 
     def _floor_error(self, n: int, micro: int, where: str, *, peer: bool) -> OutOfMemoryAtMinimumError:
         budget = self.budget_text or "none (no cap)"
@@ -418,6 +444,7 @@ class ElasticEngine:
             "clean_steps": self.clean_steps,
             "grow_wait": self.grow_wait,
             "oom_events": self.oom_events,
+            "over_budget_events": self.over_budget_events,
             "events": [asdict(e) for e in self.events],
             "eval_micro_batch_size": dict(self.eval_micro_batch_size),
         }
@@ -427,6 +454,7 @@ class ElasticEngine:
         self.clean_steps = state.get("clean_steps", 0)
         self.grow_wait = state.get("grow_wait", self.grow_wait)
         self.oom_events = state.get("oom_events", 0)
+        self.over_budget_events = state.get("over_budget_events", 0)
         self.events = [ElasticEvent(**e) for e in state.get("events", [])]
         self.eval_micro_batch_size = dict(state.get("eval_micro_batch_size", {}))
 

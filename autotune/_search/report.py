@@ -21,7 +21,6 @@ def load_study(*, storage: str | None, study: str | None) -> Any:
     """
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     stor = open_storage(storage, read_only=True)
     names = [s.study_name for s in optuna.get_all_study_summaries(stor, include_best_trial=False)]
     if study is None:

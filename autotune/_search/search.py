@@ -125,42 +125,47 @@ def search(
     space_obj = load_space(space or default_space_name(dev)).for_device(dev, batch_size=batch_size)
     stor = open_storage(storage)
     name = study or _study_name(target, parsed_budget, space_obj, dev)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=seed)
-    the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
-                                    load_if_exists=True)
-    _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
-                       "batch_size": batch_size})
-    the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
-    with exclusive(stor):
-        for params in space_obj.seeds:
-            the_study.enqueue_trial(dict(params), skip_if_exists=True)
-    recover_dead_workers(the_study)
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no INFO line per trial; the caller's level comes back
+    try:
+        sampler = optuna.samplers.TPESampler(seed=seed)
+        the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
+                                        load_if_exists=True)
+        _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
+                           "batch_size": batch_size})
+        the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
+        with exclusive(stor):
+            for params in space_obj.seeds:
+                the_study.enqueue_trial(dict(params), skip_if_exists=True)
+        recover_dead_workers(the_study)
 
-    runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
-                        budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
-                        trial_timeout=trial_timeout)
-    if _finished(the_study) < trials:
-        the_study.optimize(
-            runner,
-            n_trials=None,
-            timeout=timeout,
-            callbacks=[_MaxMeasured(trials, space_obj.size()), _StopOnFailures(trials), *callbacks],
-            catch=(_TrialCrashed,),
+        runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
+                            budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
+                            trial_timeout=trial_timeout)
+        if _finished(the_study) < trials:
+            the_study.optimize(
+                runner,
+                n_trials=None,
+                timeout=timeout,
+                callbacks=[_MaxMeasured(trials, space_obj.size()), _StopOnFailures(trials), *callbacks],
+                catch=(_TrialCrashed,),
+            )
+        best = _choose(the_study, runner, budget_bytes, parsed_budget)
+        plan = plan_from_params(
+            best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
+            provenance=Provenance.here(
+                budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
+                samples_per_second=best.user_attrs.get("samples_per_second"),
+                tokens_per_second=best.user_attrs.get("tokens_per_second"),
+                peak_bytes=best.user_attrs.get("peak_bytes"),
+                command=command, produced_by=f"search (study '{name}', trial {best.number})",
+            ),
         )
-    best = _choose(the_study, runner, budget_bytes, parsed_budget)
-    plan = plan_from_params(
-        best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
-        provenance=Provenance.here(
-            budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
-            samples_per_second=best.user_attrs.get("samples_per_second"),
-            tokens_per_second=best.user_attrs.get("tokens_per_second"), peak_bytes=best.user_attrs.get("peak_bytes"),
-            command=command, produced_by=f"search (study '{name}', trial {best.number})",
-        ),
-    )
-    if out_path is not None:
-        plan.save(out_path, command=command)
-    return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
+        if out_path is not None:
+            plan.save(out_path, command=command)
+        return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def _finished_states() -> tuple[Any, ...]:

@@ -11,7 +11,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -148,16 +147,27 @@ def test_warns_without_datamodule_attribute_and_on_other_device() -> None:
             trainer([cb], max_steps=1).fit(Stack(), loader)
 
 
-def test_expandable_segments_is_set_before_cuda_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    ApplyPlan(expandable_segments=True)
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+def test_expandable_segments_change_no_process_setting_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(MisconfigurationException, match=r"must act before CUDA starts, but CUDA is already "
-                       r"initialized\. Start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
-        ApplyPlan(expandable_segments=True)
+    cb = ApplyPlan(expandable_segments=True)  # a constructor changes nothing process-wide
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    trainer([cb], max_steps=1).fit(Stack(), datamodule=Data())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # nor does a CPU run
+    assert cb._undo == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_expandable_segments_are_set_at_setup_on_cuda_and_undone_at_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    torch.cuda.init()  # CUDA already running: the setting still applies (to the segments made from now on)
+    calls: list[str] = []
+    real = torch.cuda.memory._set_allocator_settings
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: (calls.append(s), real(s)))
+    cb = ApplyPlan(expandable_segments=True)
+    trainer([cb], max_steps=1, accelerator="cuda").fit(Stack(), datamodule=Data())
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
 def test_bad_settings_are_refused_together() -> None:

@@ -292,7 +292,9 @@ def test_cpu_soft_budget_shrinks_the_next_step_after_an_overshoot() -> None:
     budget = current_rss_bytes() + 400 * 2**20  # room for about 48 samples of scratch, not 64
     model = HungryModel()
     cb = ElasticBatchSize(budget=budget, grow=False)
-    fit(model, loader(N * STEPS, N), [cb], gradient_clip_val=0.5)
+    with pytest.warns(UserWarning, match=r"ElasticBatchSize: the step's peak .* went over the budget \d+ at "
+                      r"micro-batch 64 \(step 0\); the next step runs at 32\. .*autotune/over_budget_events"):
+        fit(model, loader(N * STEPS, N), [cb], gradient_clip_val=0.5)
     assert [(e.kind, e.step, e.previous, e.micro_batch_size) for e in cb.events] == [("over_budget", 0, 64, 32)]
     assert micro_sizes(model) == [64] + [32] * 2 * (STEPS - 1)  # no replay: the CPU budget is soft
     assert cb.budget_bytes == budget
@@ -311,16 +313,34 @@ def test_autotune_metrics_reach_the_logger(tmp_path: object) -> None:
     assert [float(r["autotune/micro_batch_size"]) for r in rows] == [16.0] * STEPS
     assert [float(r["autotune/num_micro_batches"]) for r in rows] == [4.0] * STEPS
     assert [float(r["autotune/oom_events"]) for r in rows] == [2.0] * STEPS
+    assert [float(r["autotune/over_budget_events"]) for r in rows] == [0.0] * STEPS
     assert all(float(r["autotune/peak_memory_gib"]) > 0 for r in rows)
 
 
-def test_setup_refuses_unsupported_strategies() -> None:
-    from lightning.pytorch.strategies import FSDPStrategy
+def test_a_handled_oom_is_warned_once_per_kind() -> None:
+    with pytest.warns(UserWarning) as record:
+        _, _, cb = elastic(Fault("forward", limit=16))  # two OOMs: 64 -> 32 -> 16
+    assert [e.kind for e in cb.events] == ["oom", "oom"]
+    ooms = [str(w.message) for w in record if "out of memory" in str(w.message)]
+    assert ooms == ["ElasticBatchSize: out of memory at step 0 (in the closure); the step was replayed at micro-batch "
+                    "32 (was 64). Later ones are not warned about again: see the autotune/oom_events metric and "
+                    "ElasticBatchSize.events."]
 
+
+@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "XLAStrategy", "SingleDeviceXLAStrategy",
+                                  "ModelParallelStrategy"])
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_setup_refuses_every_strategy_but_single_device_and_ddp_exactly(name: str, stage: str) -> None:
+    import lightning.pytorch.strategies as strategies
+
+    cls = getattr(strategies, name)
     t = trainer()
-    t._accelerator_connector.strategy = FSDPStrategy()  # FSDP needs a GPU to be built by the Trainer
-    with pytest.raises(MisconfigurationException, match=r"does not support FSDPStrategy yet .*use a single device or DDP"):
-        ElasticBatchSize().setup(t, ToyModel(), "fit")
+    # These strategies need a GPU, deepspeed or torch_xla to be built; the check looks at the type only. DeepSpeed's
+    # and XLA's derive from DDPStrategy, XLA's single-device one from SingleDeviceStrategy: an exact check refuses them.
+    t._accelerator_connector.strategy = cls.__new__(cls)
+    with pytest.raises(MisconfigurationException, match=rf"ElasticBatchSize does not support {name}: it runs with "
+                       r"SingleDeviceStrategy or DDPStrategy exactly"):
+        ElasticBatchSize().setup(t, ToyModel(), stage)
 
 
 @pytest.mark.gpu
