@@ -20,3 +20,20 @@ def set_cuda_allocator_settings(settings: str) -> None:
     import torch
 
     torch.cuda.memory._set_allocator_settings(settings)
+
+
+def outside_dispatch_modes() -> Any:
+    """A context where no Python dispatch mode (fake tensors, the estimator's memory tracker) is active, so real
+    tensors can be made and real kernels run (``torch.utils._python_dispatch._disable_current_modes``). If it went
+    away, the estimator could not measure kernel work buffers while it traces a step on fake tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def conv_backend_name(x: Any, weight: Any, rest: Any) -> str:
+    """The convolution backend ATen picks for these arguments (``torch._C._select_conv_backend``: "Slow2d",
+    "Mkldnn", ...). If it went away or renamed its backends, CPU convolutions would count no work buffer."""
+    import torch
+
+    return str(getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", ""))

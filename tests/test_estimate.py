@@ -95,6 +95,36 @@ def test_cpu_prediction_is_within_10_percent_of_the_profiled_peak(name, plan):
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
 
 
+_ISA_CHECK = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.test_estimate import TinyMLP, bench, tiny_batch
+from autotune import Plan, estimate
+plan = Plan(precision="bf16-mixed", micro_batch_size=8)
+e = estimate(model=TinyMLP(), batch=tiny_batch(), plan=plan, device="cpu")
+print(e.predicted_peak_bytes, bench.measure_peak(model=TinyMLP(), batch=tiny_batch(), plan=plan, device="cpu"))
+print(e.notes[0])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "ALL"])
+def test_bf16_kernel_work_buffers_are_measured_for_the_instruction_set_in_use(isa: str) -> None:
+    # oneDNN's bf16 kernels hold buffers that depend on the instruction set (AVX512-BF16 and AMX use more): the
+    # estimator measures them on the machine. ONEDNN_MAX_CPU_ISA caps what oneDNN uses, as an older CPU would.
+    import os
+    import subprocess
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+    proc = subprocess.run([sys.executable, "-c", _ISA_CHECK.format(root=str(ROOT))], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    numbers, note = proc.stdout.strip().splitlines()[-2:]
+    predicted, measured = map(int, numbers.split())
+    assert abs(predicted - measured) / measured <= 0.02, (isa, predicted, measured)
+    assert note.startswith("CPU kernel work buffers of ") and "measured on this machine" in note
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_median_error_is_within_5_percent():

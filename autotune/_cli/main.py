@@ -145,7 +145,8 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(5)]
     lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
              f"{line[4]:>{widths[4]}}".rstrip() for line in table]
-    return "\n".join([header, *lines])
+    notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
+    return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 
 # --------------------------------------------------------------------------------------------------------- parser

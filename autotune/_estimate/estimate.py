@@ -6,8 +6,9 @@ every storage under parameters, gradients, optimizer state, activations or tempo
 Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes the
 optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones of
 ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are those at
-that moment. CPU convolutions add their kernels' work buffers (:func:`autotune._fake_step.cpu_conv_workspace`, with the
-step's other parts). On CUDA each allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces
+that moment. Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for
+CPU convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
+buffers depend on the processor; ``Estimate.notes`` says so). On CUDA each allocation is rounded up to 512 B and the overhead is the cuBLAS workspaces
 (:func:`cuda_overhead_bytes`; the CUDA context is outside ``max_memory_allocated``), plus DDP's gradient buckets and the
 runtime's averaging buffers under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the
 CPU ``save_on_cpu`` keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update
@@ -84,6 +85,7 @@ class Estimate:
         predicted_peak_bytes: The peak: the sum of the six categories.
         host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations, and the copies and
             optimizer state of ``optimizer_offload``); 0 on the CPU.
+        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each.
 
     Example:
         >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
@@ -102,6 +104,7 @@ class Estimate:
     overhead_bytes: int
     predicted_peak_bytes: int
     host_bytes: int = 0
+    notes: tuple[str, ...] = ()
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the predicted peak is at most ``budget_bytes``."""
@@ -129,14 +132,12 @@ class TargetEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         """The row for JSON: the plan's fields (not its provenance), the estimate, the budget and the fit."""
-        plan = {f.name: getattr(self.estimate.plan, f.name) for f in dataclasses.fields(Plan) if f.name != "provenance"}
-        if isinstance(plan["activation_checkpointing"], tuple):
-            plan["activation_checkpointing"] = list(plan["activation_checkpointing"])
+        plan = {k: v for k, v in self.estimate.plan.to_dict().items() if k != "format_version"}
         return {**plan, "micro_batch_size": self.estimate.micro_batch_size, "device": self.estimate.device,
                 "predicted_peak_bytes": self.estimate.predicted_peak_bytes,
                 **{f"{name}_bytes": value for name, value in self.estimate.breakdown().items()},
                 "host_bytes": self.estimate.host_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
-                "max_micro_batch_size": self.max_micro_batch_size}
+                "max_micro_batch_size": self.max_micro_batch_size, "notes": list(self.estimate.notes)}
 
 
 def estimate(
@@ -360,8 +361,9 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
         grad_bytes = bytes_of(trained, device) if plan.strategy == "ddp" else 0
         # DDP's own buckets (one more gradient) and the runtime's averaging buffers (up to two buckets).
         ddp_bytes = grad_bytes + min(grad_bytes, 2 * GRADIENT_BUCKET_BYTES)
-    return _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
-                          state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
+    estimate = _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
+                              state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
+    return dataclasses.replace(estimate, notes=tracker.workspace.notes())
 
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,

@@ -4,13 +4,14 @@ loss as a run has them, traced on fake tensors (see :mod:`autotune._estimate.est
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
 
 if TYPE_CHECKING:
@@ -23,10 +24,12 @@ _CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (M
 
 def step_tracker() -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
-    buffers CPU convolutions allocate inside their kernels."""
+    work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``)."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class StepTracker(MemTracker):
+        workspace = Workspace()
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
@@ -35,7 +38,7 @@ def step_tracker() -> Any:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            extra = cpu_conv_workspace(func, args, out)
+            extra = self.workspace.bytes_of(func, args, kwargs, out)
             snap = self._curr_mem_snap.get(args[0].device) if extra else None
             if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
                 for key in (_MemRefType.TEMP, "Total"):
@@ -46,29 +49,6 @@ def step_tracker() -> Any:
             return out
 
     return StepTracker()
-
-
-def cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
-    """Bytes a CPU convolution allocates and frees inside its kernel, unseen by any dispatch mode.
-
-    Measured with the profiler: the im2col kernel (``Slow2d``, e.g. bf16 without AVX512-BF16) holds a column buffer
-    of ``batch x C_in x kh x kw x H_out x W_out`` in forward and in backward; oneDNN (``Mkldnn``) holds a copy of
-    the output in forward, and of the output's gradient and the input's gradient in backward.
-    """
-    aten = torch.ops.aten
-    if func not in (aten.convolution.default, aten.convolution_backward.default) or args[0].device.type != "cpu":
-        return 0
-    backward = func is aten.convolution_backward.default
-    grad_out, (x, weight), rest = (args[0], args[1:3], args[4:10]) if backward else (None, args[:2], args[3:9])
-    backend = getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", "")
-    if backend == "Slow2d":
-        out_hw = (grad_out if backward else out).shape[2:]
-        return x.shape[0] * x.shape[1] * math.prod(weight.shape[2:]) * math.prod(out_hw) * x.element_size()
-    if backend == "Mkldnn":
-        if not backward:
-            return out.numel() * out.element_size()
-        return grad_out.numel() * grad_out.element_size() + (x.numel() * x.element_size() if args[-1][0] else 0)
-    return 0
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
