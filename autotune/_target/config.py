@@ -1,10 +1,11 @@
 """The LightningCLI-config half of :mod:`autotune._target.target`, and the helpers that both halves share.
 
 It reads and checks a config as a whole (``model:``, ``data:``, ``optimizer:`` and ``lr_scheduler:`` sections checked
-with jsonargparse, ``trainer:`` and ``seed_everything:``), builds a :class:`~autotune._target.Target` from a config,
-and installs a config's optimizer and scheduler as a model's ``configure_optimizers``. It also holds
-:class:`TargetError` and the small helpers that factory targets use too (``sys.path`` handling, seeding, one-line
-errors); :mod:`autotune._target.target` imports from here, and this module imports it back only inside a function.
+with jsonargparse, ``trainer:`` and ``seed_everything:``), builds the parts of a target from a config (model, data,
+trainer arguments, seed: :mod:`autotune._target.target` makes the ``Target`` of them), and installs a config's
+optimizer and scheduler as a model's ``configure_optimizers``. It also holds :class:`TargetError` and the small helpers
+that factory targets use too (``sys.path`` handling, seeding, one-line errors). The dependency goes one way:
+:mod:`autotune._target.target` imports from here, and this module never imports it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule
-
-    from autotune._target.target import Target
+    from lightning.pytorch import LightningDataModule, LightningModule
 
 #: Top-level keys of a LightningCLI config that a target reads (``ckpt_path`` is accepted and not used).
 _CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
@@ -200,9 +199,18 @@ def _class_section(
     return section
 
 
-def _build_from_config(spec: str, cli: _CliConfig) -> Target:
-    from autotune._target.target import Target  # _target imports this module at its top
+@dataclass(frozen=True)
+class _ConfigParts:
+    """What a config target builds: the fields of a :class:`~autotune._target.target.Target` but its ``spec``."""
 
+    model: LightningModule
+    datamodule: LightningDataModule | None
+    trainer_config: dict[str, Any]
+    seed: int | None
+
+
+def _parts_from_config(spec: str, cli: _CliConfig) -> _ConfigParts:
+    """Seed, then build the config's model and data, and install its optimizer and scheduler on the model."""
     if cli.model is None:  # _load_config(with_model=True) requires it
         raise TargetError(f"target '{spec}': the config has no `model` section")
     _seed(cli.seed)
@@ -213,8 +221,7 @@ def _build_from_config(spec: str, cli: _CliConfig) -> Target:
         _require_train_dataloader(spec, model, "the config has no `data` section",
                                   "add `data: {class_path: ..., init_args: ...}`")
     _install_optimizers(model, cli)
-    return Target(spec=spec, model=model, datamodule=datamodule, trainer_config=copy.deepcopy(cli.trainer),
-                  seed=cli.seed)
+    return _ConfigParts(model=model, datamodule=datamodule, trainer_config=copy.deepcopy(cli.trainer), seed=cli.seed)
 
 
 def _instantiate(spec: str, section: _ClassSection) -> Any:

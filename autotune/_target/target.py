@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from autotune._target.config import (
     TargetError,
-    _build_from_config,
     _CliConfig,
     _install_optimizers,
     _load_config,
     _on_sys_path,
     _one_line,
+    _parts_from_config,
     _require_train_dataloader,
     _seed,
 )
@@ -216,6 +216,12 @@ def _resolve(spec: str | os.PathLike[str] | None, config: str | os.PathLike[str]
     factory = _load_factory(label)
     cli = None if config is None else _load_config(label, Path(config), with_model=False)
     return lambda: _build_from_factory(label, factory, cli)
+
+
+def _build_from_config(spec: str, cli: _CliConfig) -> Target:
+    parts = _parts_from_config(spec, cli)
+    return Target(spec=spec, model=parts.model, datamodule=parts.datamodule, trainer_config=parts.trainer_config,
+                  seed=parts.seed)
 
 
 @dataclass(frozen=True)
