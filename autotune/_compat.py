@@ -1,8 +1,21 @@
-"""Every use of private upstream API (torch, Lightning, torchao, Optuna), each with what breaks if it changes."""
+"""Every use of private upstream API (torch, Lightning, torchmetrics, torchao, Optuna), each with what breaks if it
+changes.
+
+This is the one place to look when upgrading an upstream package: no other module of autotune reaches into a private
+module, class or attribute of theirs (``tests/test_layout.py`` checks it). Each access is one small function (or
+constant) whose comment says what it does, what breaks if upstream changes it and, where one exists, the public
+alternative and why it is not used. Checked against torch 2.13.0, lightning 2.6.6, torchmetrics 1.9.0, optuna 5.0.0
+and torchao 0.18.0 (the source of its ``CPUOffloadOptimizer``; the tests run a stand-in with the same attributes).
+
+Bottom layer: imports nothing from autotune, and upstream packages only inside the functions that need them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+# ----------------------------------------------------------------------------------------------------------- torch
 
 
 def tensor_version(tensor: Any) -> int:
@@ -10,6 +23,55 @@ def tensor_version(tensor: Any) -> int:
     saved tensors with). If it went away, ``update_fingerprint`` could not tell an untouched update from a changed
     one: an OOM inside a steady-state update would then always end the run instead of replaying."""
     return int(tensor._version)
+
+
+def storage_key(tensor: Any) -> int:
+    """A key that is the same for tensors sharing one storage, fake tensors included
+    (``untyped_storage()._cdata``, the address of the C++ storage object). If it went away, ``bytes_of`` (estimator)
+    could not count shared storages once. Public ``untyped_storage().data_ptr()`` is not used: fake tensors have no
+    data, so it does not tell their storages apart."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def module_tensor_slots(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's own parameter and buffer dicts (``Module._parameters``, ``Module._buffers``), for swapping tensors
+    in place, as ``Module._apply`` itself does. If they went away, the estimator could not move a fake model to the
+    plan's device and dtype. ``Module.to`` is not used because it cannot swap fake parameters; the slower public
+    route (``named_parameters(recurse=False)`` and ``setattr`` through ``Module.__setattr__``) is not used so that
+    the swap stays what it was."""
+    return module._parameters, module._buffers
+
+
+def post_accumulate_grad_hooks(param: Any) -> dict[int, Any]:
+    """The post-accumulate-grad hooks of ``param`` by handle id (``Tensor._post_accumulate_grad_hooks``; torch keeps
+    no public list of them, and the handle ``register_post_accumulate_grad_hook`` returns is torchao's, not ours).
+    If it went away, ``OffloadedOptimizer.close`` would leave torchao's gradient-copy hooks on the parameters."""
+    return getattr(param, "_post_accumulate_grad_hooks", None) or {}
+
+
+def is_batch_norm(module: Any) -> bool:
+    """Whether ``module`` is a batch norm layer of any dimension (``torch.nn.modules.batchnorm._BatchNorm``, the base
+    of ``BatchNorm1d/2d/3d``, their lazy forms and user subclasses). If it went away, ``ElasticBatchSize`` would
+    raise at setup. Listing the public classes is not done: it would miss subclasses of the private base."""
+    import torch
+
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def mark_optimizer_stepped(optimizer: Any) -> None:
+    """Set the flag torch's LR schedulers read to warn about ``lr_scheduler.step()`` before ``optimizer.step()``
+    (``Optimizer._opt_called``, set by the step wrapper the scheduler installs, which an offloaded optimizer bypasses).
+    If the schedulers stopped reading it, nothing breaks; if they read another flag, offloaded runs would be warned
+    that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
+    optimizer._opt_called = True
+
+
+def forget_scaler_steps(scaler: Any) -> None:
+    """Make a ``GradScaler`` forget the ``unscale_``/inf checks of a failed attempt
+    (``GradScaler._per_optimizer_states.clear()``). If it went away, a replayed step would fail with "unscale_() has
+    already been called on this optimizer since the last update()". Public ``scaler.update()`` is not used: it also
+    changes the loss scale."""
+    scaler._per_optimizer_states.clear()
 
 
 def set_cuda_allocator_settings(settings: str) -> None:
@@ -20,6 +82,32 @@ def set_cuda_allocator_settings(settings: str) -> None:
     import torch
 
     torch.cuda.memory._set_allocator_settings(settings)
+
+
+def record_cuda_memory_history(*, max_entries: int) -> None:
+    """Start recording every CUDA allocation with its Python stack (``torch.cuda.memory._record_memory_history``,
+    the documented entry point of torch's memory visualizer; it has no public name). If it changed, ``MemoryMonitor``
+    would fail at setup on CUDA, or record without stacks."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=max_entries)
+
+
+def stop_cuda_memory_history() -> None:
+    """Stop recording CUDA allocations (``torch.cuda.memory._record_memory_history(enabled=None)``). If it changed,
+    ``MemoryMonitor`` would fail at teardown on CUDA or leave the (costly) recording on."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded CUDA allocations to ``path``, a pickle for https://pytorch.org/memory_viz
+    (``torch.cuda.memory._dump_snapshot``; no public name). If it changed, ``MemoryMonitor`` would write no snapshot
+    when a step runs out of memory."""
+    import torch
+
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def outside_dispatch_modes() -> Any:
@@ -37,3 +125,228 @@ def conv_backend_name(x: Any, weight: Any, rest: Any) -> str:
     import torch
 
     return str(getattr(torch._C._select_conv_backend(x, weight, None, *rest, None), "name", ""))
+
+
+def fake_tensor_mode(*, allow_non_fake_inputs: bool) -> Any:
+    """torch's ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): tensors with shapes, dtypes and devices but no
+    data, which the estimator traces a training step on. There is no public home for it; if it moved, ``estimate``
+    would fail at its first trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+
+
+def fake_copy_mode(mode: Any) -> Any:
+    """A context in which ``copy.deepcopy`` makes fake copies of real tensors in ``mode``
+    (``torch._subclasses.fake_tensor.FakeCopyMode``). If it moved, ``estimate`` could not copy the model onto fake
+    tensors."""
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    return FakeCopyMode(mode)
+
+
+def mem_ref_types() -> Any:
+    """The categories ``MemTracker`` sorts memory into (``torch.distributed._tools.mem_tracker._MemRefType``: PARAM,
+    BUFFER, GRAD, ACT, TEMP, OPT, OTH). If they were renamed, the estimate's breakdown would fail to build."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return _MemRefType
+
+
+def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int]) -> Any:
+    """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) keeping the whole step's peak only, with
+    ``extra_bytes(func, args, kwargs, out)`` bytes of kernel work buffers counted as temporaries while each op runs.
+
+    The subclass overrides ``MemTracker._update_peak_stats`` (upstream's loops over every module per op) and reads
+    and writes its ``_curr_mem_snap``, ``_peak_mem`` and ``_peak_mem_snap``. If those changed, ``estimate`` would
+    fail or give wrong peaks (the estimator tests compare with profiled peaks); if ``_update_peak_stats`` were
+    renamed, estimates would only get slower. ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
+    allocated on fake tensors.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class StepTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            extra = extra_bytes(func, args, kwargs, out)
+            snap = self._curr_mem_snap.get(args[0].device) if extra else None
+            if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] += extra
+                self._update_peak_stats(None)
+                for key in (_MemRefType.TEMP, "Total"):
+                    snap[key] -= extra
+            return out
+
+    return StepTracker()
+
+
+# ------------------------------------------------------------------------------------------------------- Lightning
+
+#: The ``LightningModule`` method that moves a batch to the device (``_apply_batch_transfer_handler``: runs the
+#: ``transfer_batch_to_device`` and ``on_after_batch_transfer`` hooks). ``ElasticBatchSize`` replaces it for the
+#: run, so the batch stays on the host and each micro-batch is moved alone. If it were renamed, the patch would
+#: change nothing and whole batches would be moved to the device (more memory, same results). Patching the public
+#: hooks is not done: they are the user's to override.
+BATCH_TRANSFER_HANDLER = "_apply_batch_transfer_handler"
+
+
+def batch_transfer_handler(module: Any) -> Callable[..., Any]:
+    """The module's current batch transfer method (see :data:`BATCH_TRANSFER_HANDLER`); ``AttributeError`` at
+    ``ElasticBatchSize`` setup if it is gone."""
+    return getattr(module, BATCH_TRANSFER_HANDLER)
+
+
+def logs_written_this_step(trainer: Any) -> bool:
+    """Whether the loggers write on this training step (``trainer._logger_connector.should_update_logs``, the gate
+    of Lightning's own ``DeviceStatsMonitor`` and ``LearningRateMonitor``: every ``log_every_n_steps`` batches that
+    stepped, and when ``should_stop``). If it went away, ``ElasticBatchSize`` and ``MemoryMonitor`` would fail on
+    each batch end; recomputing it is not done, as that needs the fit loop's private step counter too."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def current_hook_name(module: Any) -> str | None:
+    """The name of the hook the module is running, which ``self.log`` files values under
+    (``LightningModule._current_fx_name``; None outside a hook or for other objects). If it went away, buffered
+    micro-batch logs would not be told apart by hook."""
+    return getattr(module, "_current_fx_name", None)
+
+
+def set_current_hook_name(module: Any, name: str | None) -> None:
+    """Set the hook name ``self.log`` files values under (``LightningModule._current_fx_name``), so logs buffered
+    during micro-batches are committed from the hook that made them. If Lightning read another attribute, committed
+    values would land under the wrong hook (or raise "You are trying to `self.log()`" outside one)."""
+    module._current_fx_name = name
+
+
+def closure_result(closure: Any) -> Any:
+    """What Lightning's automatic-optimization closure returned last (``Closure._result``, a ``ClosureResult``;
+    None when it has none). If it went away, the step's reported loss would be the last micro-batch's."""
+    return getattr(closure, "_result", None)
+
+
+def set_closure_result(closure: Any, *, closure_loss: Any, extra: Any) -> None:
+    """Replace what Lightning's closure reports to the loop (``Closure._result`` set to a new
+    ``lightning.pytorch.loops.optimization.automatic.ClosureResult``), so the step reports the whole batch's loss.
+    If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's loss, or fail."""
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    closure._result = ClosureResult(closure_loss=closure_loss, extra=extra)
+
+
+def set_trainer_reference(model: Any, trainer: Any) -> None:
+    """Attach ``trainer`` (or None) to a ``LightningModule`` without touching its children
+    (``LightningModule._trainer``). Public ``model.trainer = ...`` is not used: it also sets the trainer of nested
+    LightningModules. If it went away, estimating a model whose ``configure_optimizers`` reads ``self.trainer`` would
+    fail."""
+    model._trainer = trainer
+
+
+def trainer_reference(model: Any) -> Any:
+    """The trainer attached to ``model``, or None (``LightningModule._trainer``; public ``model.trainer`` raises when
+    none is attached). If it went away, the estimator would deep-copy an attached Trainer with the model."""
+    return getattr(model, "_trainer", None)
+
+
+def optimizers_from_config(config: Any) -> list[Any]:
+    """The optimizers in whatever ``configure_optimizers`` returned (``lightning.pytorch.core.optimizer.
+    _configure_optimizers``, which accepts every form Lightning does). If it went away, the estimator could not read
+    a model's optimizers without a Trainer."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return list(_configure_optimizers(config)[0])
+
+
+def precision_input_dtype(precision: Any) -> Any:
+    """The dtype a Lightning precision plugin converts the model to (``Precision._desired_input_dtype`` of
+    ``HalfPrecision``; None for others). If it went away, ``bf16-true``/``16-true`` estimates would count fp32
+    parameters."""
+    return getattr(precision, "_desired_input_dtype", None)
+
+
+def set_module_device_dtype(module: Any, device: Any, dtype: Any) -> None:
+    """Make ``module.device``/``module.dtype`` of a Lightning module answer ``device`` and ``dtype`` (``_device`` and
+    ``_dtype`` of ``lightning.fabric.utilities.device_dtype_mixin._DeviceDtypeModuleMixin``, which ``Module.to``
+    sets there); other modules are left alone. If they changed, a fake model's ``self.device`` would still name the
+    host, and steps that make tensors on ``self.device`` would be traced on the wrong device."""
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    if isinstance(module, _DeviceDtypeModuleMixin):
+        module._device = device
+        module._dtype = dtype or module._dtype
+
+
+# ---------------------------------------------------------------------------------------------------- torchmetrics
+
+
+def metric_state_names(metric: Any) -> tuple[str, ...]:
+    """The attributes that hold a torchmetrics ``Metric``'s state: those of ``add_state`` (``Metric._defaults``) and
+    the bookkeeping ``_update_count``, ``_computed`` and ``_forward_cache``. If they changed, a replayed step could
+    count a failed attempt's updates (missing names are skipped by ``hasattr``). Public ``Metric.metric_state`` is
+    not used: it leaves out the bookkeeping, so ``compute()`` could return a cached value."""
+    return (*metric._defaults, "_update_count", "_computed", "_forward_cache")
+
+
+# --------------------------------------------------------------------------------------------------------- torchao
+# torchao's ``CPUOffloadOptimizer`` documents its constructor, ``step`` and ``zero_grad`` only; these attributes are
+# its internals. If one changed, ``OffloadedOptimizer`` would fail at construction or at its first step.
+
+
+def offload_host_copies(offload: Any) -> dict[Any, Any]:
+    """Device parameter -> its pinned host copy, for the parameters offloaded (``param_d2h_map``)."""
+    return offload.param_d2h_map  # type: ignore[no-any-return]
+
+
+def offload_host_optimizers(offload: Any) -> dict[Any, Any]:
+    """Device parameter -> the host optimizer that updates its host copy (``optim_dict``)."""
+    return offload.optim_dict  # type: ignore[no-any-return]
+
+
+def offload_device_optimizer(offload: Any) -> Any:
+    """The optimizer of the parameters too small to offload, which runs on the device, or None (``d_opt``)."""
+    return offload.d_opt
+
+
+def offload_grad_queue(offload: Any) -> dict[Any, Any]:
+    """Device parameter -> the event of its gradient's copy to the host, for the parameters the next ``step``
+    updates (``queue``)."""
+    return offload.queue  # type: ignore[no-any-return]
+
+
+def offload_stream(offload: Any) -> Any:
+    """The side stream gradients are copied to the host on (``stream``)."""
+    return offload.stream
+
+
+def offload_device_type(offload: Any) -> str:
+    """The device type torchao offloads from: "cuda" or "xpu" (``device``)."""
+    return offload.device  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------------------------------- Optuna
+
+
+def study_storage(study: Any) -> Any:
+    """The storage a ``Study`` reads and writes (``Study._storage``; Optuna has no public accessor). If it went away,
+    dead-worker recovery on journal storage would fail."""
+    return study._storage
+
+
+def trial_id(trial: Any) -> int:
+    """The storage's id of a ``FrozenTrial`` (``FrozenTrial._trial_id``, what storage methods take; ``number`` is
+    per study). Public ``study.tell(number, state=FAIL)`` is not used: it would also run the sampler's
+    ``after_trial`` for a trial this worker did not run. If it went away, dead-worker recovery would fail."""
+    return int(trial._trial_id)
+
+
+def journal_file_path(storage: Any) -> str | None:
+    """The file of a ``JournalStorage`` on a ``JournalFileBackend`` (``JournalStorage._backend._file_path``), or
+    None. If either changed, workers seeding one study through a journal file would not take the shared lock, and
+    could enqueue the same seed trials twice."""
+    return getattr(getattr(storage, "_backend", None), "_file_path", None)

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from autotune._compat import BATCH_TRANSFER_HANDLER, batch_transfer_handler, is_batch_norm, logs_written_this_step
 from autotune._device.budget import Budget, format_bytes
 from autotune._runtime.microbatch import ElasticEngine, ElasticEvent
 from autotune._device.probe import probe_memory
@@ -118,7 +119,7 @@ class ElasticBatchSize(Callback):
         _check_strategy(trainer, self.SUPPORTED_STRATEGIES)
         if stage == "fit":
             _check_trainer(trainer, pl_module)
-        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
+        if any(is_batch_norm(m) for m in pl_module.modules()):
             rank_zero_warn(
                 "ElasticBatchSize: the model has BatchNorm layers; splitting a batch changes their batch statistics "
                 "(as any gradient accumulation does). Prefer LayerNorm/GroupNorm, or keep micro_batch_size = batch."
@@ -171,7 +172,7 @@ class ElasticBatchSize(Callback):
         original_step = pl_module.optimizer_step
         original_training_step = pl_module.training_step
         original_zero_grad = pl_module.optimizer_zero_grad
-        original_transfer = pl_module._apply_batch_transfer_handler
+        original_transfer = batch_transfer_handler(pl_module)
 
         def in_training() -> bool:
             return trainer.state.stage == RunningStage.TRAINING
@@ -208,7 +209,7 @@ class ElasticBatchSize(Callback):
             )
 
         self._patch(pl_module, "log", engine.logs)
-        self._patch(pl_module, "_apply_batch_transfer_handler", transfer)
+        self._patch(pl_module, BATCH_TRANSFER_HANDLER, transfer)
         self._patch(pl_module, "training_step", training_step)
         self._patch(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
         self._patch(pl_module, "optimizer_step", optimizer_step)
@@ -239,7 +240,7 @@ class ElasticBatchSize(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self.engine
-        if engine is None or engine.micro_batch_size is None or not trainer._logger_connector.should_update_logs:
+        if engine is None or engine.micro_batch_size is None or not logs_written_this_step(trainer):
             return  # log on the steps the Trainer writes (log_every_n_steps): each self.log call costs ~1 ms
         metrics = {
             "autotune/micro_batch_size": float(min(engine.micro_batch_size, engine.batch_size or 1)),

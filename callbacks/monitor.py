@@ -12,6 +12,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from autotune._compat import (
+    dump_cuda_memory_snapshot,
+    logs_written_this_step,
+    record_cuda_memory_history,
+    stop_cuda_memory_history,
+)
 from autotune._device.budget import format_bytes
 from autotune._device.meter import MemoryMeter, current_rss_bytes
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
@@ -114,9 +120,7 @@ class MemoryMonitor(Callback):
         root = trainer.log_dir or trainer.default_root_dir  # log_dir is a collective: every rank runs setup
         self._dir = self.snapshot_dir or Path(root) / "memory_snapshots"
         if self.record_history and not self._recording:
-            torch.cuda.memory._record_memory_history(
-                enabled="all", context="all", stacks="python", max_entries=self.max_entries
-            )
+            record_cuda_memory_history(max_entries=self.max_entries)
             self._recording = True
 
     def _arm(self) -> None:
@@ -154,7 +158,7 @@ class MemoryMonitor(Callback):
     ) -> None:
         self._poll_elastic(trainer)
         # The same gate as Lightning's DeviceStatsMonitor and LearningRateMonitor: the steps the loggers write.
-        if self._meter is None or not trainer._logger_connector.should_update_logs:
+        if self._meter is None or not logs_written_this_step(trainer):
             return
         for name, value in self.measure().items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
@@ -276,7 +280,7 @@ class MemoryMonitor(Callback):
         path = self._dir / f"rank{self._rank}_{len(self.snapshots):02d}_{slug}.pickle"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_cuda_memory_snapshot(str(path))
         except OSError as exc:
             log.warning("autotune: could not write the memory snapshot %s: %s", path, exc)
             return None
@@ -290,7 +294,7 @@ class MemoryMonitor(Callback):
 
     def _stop_recording(self) -> None:
         if self._recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            stop_cuda_memory_history()
             self._recording = False
 
 

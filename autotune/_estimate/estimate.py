@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._device.budget import Budget, BudgetSpec
@@ -306,20 +307,18 @@ class _Traces:
 
 
 def _trace(traces: _Traces, micro: int) -> Estimate:
-    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-
     plan, device, size = traces.plan, traces.device, traces.size
     precision = precision_plugin(plan.precision, device)
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
     accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    trainer = getattr(traces.model, "_trainer", None)
-    with FakeCopyMode(mode):
+    mode = fake_tensor_mode(allow_non_fake_inputs=True)
+    trainer = trainer_reference(traces.model)
+    with fake_copy_mode(mode):
         fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
     with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
         warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        convert_model(fake, device, getattr(precision, "_desired_input_dtype", None))
+        convert_model(fake, device, precision_input_dtype(precision))
         fake.train()
         if plan.activation_checkpointing:
             checkpoint_blocks(select_blocks(fake, plan.activation_checkpointing))
@@ -368,7 +367,7 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
                    device: torch.device, state_bytes: int, extra_overhead: int, extra_host: int) -> Estimate:
-    from torch.distributed._tools.mem_tracker import _MemRefType as Ref
+    Ref = mem_ref_types()
 
     here: Mapping[Any, int] = next((snap for dev, snap in snapshot.items() if dev.type == device.type), {})
     host = sum(max(0, snap.get("Total", 0) - before.get(dev, {}).get("Total", 0))  # what the step adds there

@@ -11,6 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autotune._compat import (
+    module_tensor_slots,
+    optimizers_from_config,
+    peak_memory_tracker,
+    set_module_device_dtype,
+    set_trainer_reference,
+    storage_key,
+)
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
 
@@ -25,39 +33,17 @@ _CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (M
 def step_tracker() -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
     work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class StepTracker(MemTracker):
-        workspace = Workspace()
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            extra = self.workspace.bytes_of(func, args, kwargs, out)
-            snap = self._curr_mem_snap.get(args[0].device) if extra else None
-            if snap is not None:  # alive with the op's inputs and outputs, gone when it returns
-                for key in (_MemRefType.TEMP, "Total"):
-                    snap[key] += extra
-                self._update_peak_stats(None)
-                for key in (_MemRefType.TEMP, "Total"):
-                    snap[key] -= extra
-            return out
-
-    return StepTracker()
+    workspace = Workspace()
+    tracker = peak_memory_tracker(workspace.bytes_of)
+    tracker.workspace = workspace
+    return tracker
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
     """``model.to(device, dtype)`` for a fake copy (``Module.to`` cannot swap fake parameters); ties are kept."""
-    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-
     done: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
+        for tensors in module_tensor_slots(module):
             for name, t in tensors.items():
                 if t is not None and id(t) not in done:
                     new = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
@@ -65,9 +51,7 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype | N
                     done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
                 if t is not None:
                     tensors[name] = done[id(t)]
-        if isinstance(module, _DeviceDtypeModuleMixin):  # what ``self.device`` and ``self.dtype`` answer
-            module._device = device
-            module._dtype = dtype or module._dtype
+        set_module_device_dtype(module, device, dtype)  # what ``self.device`` and ``self.dtype`` answer
 
 
 def precision_plugin(precision: str, device: torch.device) -> Any:
@@ -83,19 +67,17 @@ def optimizers_of(model: LightningModule, factory: OptimizerFactory | None, devi
     if factory is not None:
         optimizers = [factory(model.parameters())]
     else:
-        from lightning.pytorch.core.optimizer import _configure_optimizers
-
-        model._trainer = SimpleNamespace(  # type: ignore[assignment]  # the trainer of an endless run
+        set_trainer_reference(model, SimpleNamespace(  # the trainer of an endless run
             estimated_stepping_batches=math.inf, max_steps=-1, max_epochs=None, num_devices=1, world_size=1,
-            global_rank=0, local_rank=0)
+            global_rank=0, local_rank=0))
         try:
             config = model.configure_optimizers()
         except AttributeError as error:
             raise ValueError(f"{type(model).__name__}.configure_optimizers() needs a Trainer the estimator does not "
                              f"have ({error}); pass optimizer= to estimate()") from error
         finally:
-            model._trainer = None
-        optimizers = [getattr(opt, "optimizer", opt) for opt in _configure_optimizers(config)[0]]
+            set_trainer_reference(model, None)
+        optimizers = [getattr(opt, "optimizer", opt) for opt in optimizers_from_config(config)]
     if not optimizers:
         raise ValueError(f"{type(model).__name__}.configure_optimizers() returned no optimizer; nothing to estimate")
     return like_cuda_run(optimizers, device)
@@ -155,5 +137,5 @@ def bytes_of(tensors: Iterable[Any], device: torch.device) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == device.type:
             nbytes = t.untyped_storage().nbytes()
-            seen[t.untyped_storage()._cdata] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
+            seen[storage_key(t)] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
     return sum(seen.values())

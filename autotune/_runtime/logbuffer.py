@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from autotune._compat import current_hook_name, set_current_hook_name
+
 _MEAN = ("mean", "avg")
 
 
@@ -62,7 +64,7 @@ class LogBuffer:
             return
         arguments = dict(self._signature.bind(*args, **kwargs).arguments)
         arguments["_n"] = self.n
-        fx = getattr(self.owner, "_current_fx_name", None)
+        fx = current_hook_name(self.owner)
         self._records.setdefault((fx, arguments["name"]), []).append(arguments)
 
     def start(self) -> None:
@@ -80,11 +82,11 @@ class LogBuffer:
         if not records:
             return
         owner = self.owner
-        previous = getattr(owner, "_current_fx_name", None)
+        previous = current_hook_name(owner)
         try:
             for (fx, _), calls in records.items():
                 if owner is not None:
-                    owner._current_fx_name = fx
+                    set_current_hook_name(owner, fx)
                 arguments = {k: v for k, v in calls[-1].items() if k != "_n"}
                 if len(calls) > 1:
                     given = [c.get("batch_size") for c in calls]
@@ -99,4 +101,4 @@ class LogBuffer:
                 self.log_fn(**arguments)
         finally:
             if owner is not None:
-                owner._current_fx_name = previous
+                set_current_hook_name(owner, previous)

@@ -21,6 +21,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from autotune._compat import closure_result, forget_scaler_steps, set_closure_result
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._device.budget import format_bytes
@@ -223,7 +224,7 @@ class ElasticEngine:
             if failed_in == "update" and self.update_protected:
                 self.snapshot.restore()
             if scaler is not None:
-                scaler._per_optimizer_states.clear()  # forget unscale_/inf checks of the failed attempt
+                forget_scaler_steps(scaler)  # forget unscale_/inf checks of the failed attempt
             rng.restore()
             metrics.restore()
             self._record("grow_failed" if self.growing_from is not None else "oom", global_step, micro, next_micro,
@@ -461,9 +462,7 @@ class ElasticEngine:
 
 def _set_closure_loss(closure: Any, total: Any) -> None:
     """Make Lightning's closure report the whole batch's loss (the sum of the weighted micro-batch losses)."""
-    result = getattr(closure, "_result", None)
+    result = closure_result(closure)
     if result is None or total is None or not hasattr(result, "closure_loss"):
         return
-    from lightning.pytorch.loops.optimization.automatic import ClosureResult
-
-    closure._result = ClosureResult(closure_loss=total.detach(), extra=result.extra)
+    set_closure_result(closure, closure_loss=total.detach(), extra=result.extra)

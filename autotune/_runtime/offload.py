@@ -23,6 +23,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from autotune._compat import (
+    mark_optimizer_stepped,
+    offload_device_optimizer,
+    offload_device_type,
+    offload_grad_queue,
+    offload_host_copies,
+    offload_host_optimizers,
+    offload_stream,
+    post_accumulate_grad_hooks,
+)
+
 #: Parameters with fewer elements keep their optimizer on the device (many small transfers cost more than they save).
 OFFLOAD_MIN_NUMEL = 4096
 #: Group keys that describe how an update runs on its device, not what it computes: left to each side's default.
@@ -172,14 +183,16 @@ class OffloadedOptimizer(Optimizer):
             raise ImportError(f"optimizer_offload needs torchao: {INSTALL_HINT}") from error
         groups = [{**hyperparameters(g), "params": list(g["params"])} for g in optimizer.param_groups]
         params = [p for g in groups for p in g["params"]]
-        hooks_before = {id(p): set(_grad_hooks(p)) for p in params}
+        hooks_before = {id(p): set(post_accumulate_grad_hooks(p)) for p in params}
         self.user_optimizer = optimizer
         self.offload = CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), minimal_size=OFFLOAD_MIN_NUMEL,
                                            **constructor_defaults(optimizer))
-        self._hooks = [(p, set(_grad_hooks(p)) - hooks_before[id(p)]) for p in self.offload.param_d2h_map]
+        host_copies = offload_host_copies(self.offload)
+        self._hooks = [(p, set(post_accumulate_grad_hooks(p)) - hooks_before[id(p)]) for p in host_copies]
+        host_optimizers = offload_host_optimizers(self.offload)
         owner: dict[Tensor, tuple[Optimizer, Tensor]] = {
-            p: (self.offload.optim_dict[p], host) for p, host in self.offload.param_d2h_map.items()}
-        device_opt = self.offload.d_opt
+            p: (host_optimizers[p], host) for p, host in host_copies.items()}
+        device_opt = offload_device_optimizer(self.offload)
         if device_opt is not None:
             owner.update({p: (device_opt, p) for g in device_opt.param_groups for p in g["params"]})
         self.defaults = optimizer.defaults
@@ -200,13 +213,13 @@ class OffloadedOptimizer(Optimizer):
 
         It is all that ``ElasticBatchSize``'s update snapshot saves and restores, and all it needs to: torchao runs
         this device update before any host update, and only the device can run out of memory."""
-        device_opt = self.offload.d_opt
+        device_opt = offload_device_optimizer(self.offload)
         return device_opt.state if device_opt is not None else {}
 
     @property
     def offloaded_parameters(self) -> list[Tensor]:
         """The parameters whose optimizer state is on the host."""
-        return list(self.offload.param_d2h_map)
+        return list(offload_host_copies(self.offload))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
@@ -221,38 +234,40 @@ class OffloadedOptimizer(Optimizer):
         self._owners.sync()
         self._prepare_host_grads()
         self.offload.step()
-        self.user_optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
+        mark_optimizer_stepped(self.user_optimizer)  # what LR schedulers check
         return loss
 
     def _prepare_host_grads(self) -> None:
         """Forget copies of gradients that no longer exist (a replayed step, an unused parameter) and, with
         ``refresh_grads``, copy the final gradients to the host."""
         ao = self.offload
+        queue = offload_grad_queue(ao)
         if not self.refresh_grads:
-            for p in [p for p in ao.queue if p.grad is None]:
-                del ao.queue[p]
+            for p in [p for p in queue if p.grad is None]:
+                del queue[p]
             return
-        streams = getattr(torch, ao.device)
-        ao.stream.wait_stream(streams.current_stream())
-        with streams.stream(ao.stream):
-            for p, host in ao.param_d2h_map.items():
-                ao.queue.pop(p, None)
+        streams = getattr(torch, offload_device_type(ao))
+        stream = offload_stream(ao)
+        stream.wait_stream(streams.current_stream())
+        with streams.stream(stream):
+            for p, host in offload_host_copies(ao).items():
+                queue.pop(p, None)
                 if p.grad is not None:
                     host.grad.copy_(p.grad, non_blocking=True)
-                    ao.queue[p] = ao.stream.record_event()
+                    queue[p] = stream.record_event()
 
     def copy_weights_to_host(self) -> None:
         """Copy the device weights into torchao's host copies, which each update writes back to the device (for
         weights changed outside the optimizer, e.g. re-initialised in ``on_fit_start``)."""
         with torch.no_grad():
-            for p, host in self.offload.param_d2h_map.items():
+            for p, host in offload_host_copies(self.offload).items():
                 host.copy_(p)
 
     def close(self) -> None:
         """Remove torchao's gradient hooks from the parameters (they would copy gradients to the host for good)."""
         for p, keys in self._hooks:
             for key in keys:
-                _grad_hooks(p).pop(key, None)
+                post_accumulate_grad_hooks(p).pop(key, None)
         self._hooks = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -270,12 +285,7 @@ class OffloadedOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.user_optimizer).__name__}, "
-                f"{len(self.offload.param_d2h_map)} parameter tensors updated on the host)")
-
-
-def _grad_hooks(param: Tensor) -> dict[int, Any]:
-    """The post-accumulate-grad hooks of ``param`` by handle id (torch keeps no public list of them)."""
-    return getattr(param, "_post_accumulate_grad_hooks", None) or {}
+                f"{len(offload_host_copies(self.offload))} parameter tensors updated on the host)")
 
 
 def offload_optimizers(optimizers: Iterable[Optimizer], *, refresh_grads: bool) -> list[Optimizer]:

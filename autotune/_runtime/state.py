@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from autotune._compat import metric_state_names, tensor_version
+
 try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
     import numpy.random as _np_random
 except ImportError:  # pragma: no cover
@@ -40,10 +42,8 @@ class MetricStates:
     """The state of the torchmetrics ``Metric`` modules of a model, so a replay does not count a failed attempt's
     updates. Metrics are found among the model's submodules (attributes, ``MetricCollection``)."""
 
-    _ATTRS = ("_update_count", "_computed", "_forward_cache")
-
     def __init__(self, metrics: list[torch.nn.Module]) -> None:
-        self.saved = [(m, {name: _copy_state(getattr(m, name)) for name in (*m._defaults, *self._ATTRS)
+        self.saved = [(m, {name: _copy_state(getattr(m, name)) for name in metric_state_names(m)
                            if hasattr(m, name)}) for m in metrics]
 
     @staticmethod
@@ -174,8 +174,6 @@ def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
     in-place change), the other state values, and the state's keys. Equal before and after a failed update means the
     update changed nothing and can simply run again. The cost is a few Python objects per parameter, whatever the
     model's size."""
-    from autotune._compat import tensor_version
-
     marks: list[Any] = [tensor_version(p) for group in optimizer.param_groups for p in group["params"]]
     for p, state in optimizer.state.items():
         marks.append(id(p))

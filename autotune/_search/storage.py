@@ -10,6 +10,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from autotune._compat import journal_file_path, study_storage, trial_id
+
 DEFAULT_STORAGE = "sqlite:///autotune.db"
 HEARTBEAT_SECONDS = 2
 GRACE_SECONDS = 8
@@ -96,8 +98,7 @@ def exclusive(storage: Any) -> Iterator[None]:
     make the duplicate check themselves."""
     import optuna
 
-    backend = getattr(storage, "_backend", None) if isinstance(storage, optuna.storages.JournalStorage) else None
-    path = getattr(backend, "_file_path", None)
+    path = journal_file_path(storage) if isinstance(storage, optuna.storages.JournalStorage) else None
     if path is None:
         yield
         return
@@ -122,7 +123,7 @@ def recover_dead_workers(study: Any) -> list[int]:
     import optuna
     from optuna.trial import TrialState
 
-    if not isinstance(study._storage, optuna.storages.JournalStorage):
+    if not isinstance(study_storage(study), optuna.storages.JournalStorage):
         return []
     failed = []
     host = socket.gethostname()
@@ -131,7 +132,7 @@ def recover_dead_workers(study: Any) -> list[int]:
         worker_host, _, pid = worker.rpartition(":")
         if worker_host != host or not pid.isdigit() or _alive(int(pid)):
             continue
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        study_storage(study).set_trial_state_values(trial_id(trial), TrialState.FAIL)
         failed.append(trial.number)
         if "retry_of" not in trial.user_attrs:  # retried once, as heartbeat storages do
             study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
