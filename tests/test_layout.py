@@ -131,3 +131,77 @@ def test_benchmarks_and_examples_use_public_api_only() -> None:
                 private += [f"{path.relative_to(ROOT)}: {name}" for name in names
                             if name.startswith("autotune.") and any(p.startswith("_") for p in name.split("."))]
     assert private == []
+
+
+#: Upstream packages whose private API only ``autotune/_compat.py`` may use.
+UPSTREAM = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "torchao", "optuna")
+#: Private names of upstream objects that autotune uses, all behind functions in ``autotune/_compat.py``: elsewhere,
+#: ``<expr>.<name>`` on anything but ``self``/``cls`` (our own classes have private attributes too), a string that is
+#: exactly ``<name>`` (``getattr``, patching) and an import of ``<name>`` are flagged. Add a name here when
+#: ``_compat.py`` gets a new access.
+UPSTREAM_PRIVATE_NAMES = frozenset({
+    # torch
+    "_version", "_cdata", "_parameters", "_buffers", "_post_accumulate_grad_hooks", "_BatchNorm", "_opt_called",
+    "_per_optimizer_states", "_set_allocator_settings", "_record_memory_history", "_dump_snapshot",
+    "_disable_current_modes", "_C", "_select_conv_backend", "_subclasses", "_tools", "_MemRefType",
+    # Lightning
+    "_apply_batch_transfer_handler", "_logger_connector", "_current_fx_name", "_result", "_trainer",
+    "_configure_optimizers", "_desired_input_dtype", "_DeviceDtypeModuleMixin", "_device", "_dtype",
+    # torchmetrics
+    "_defaults", "_update_count", "_computed", "_forward_cache",
+    # Optuna
+    "_storage", "_trial_id", "_backend", "_file_path",
+})
+#: Upstream internals reached through ``self`` (a subclass of an upstream class): flagged on ``self`` too.
+UPSTREAM_SUBCLASS_INTERNALS = frozenset({"_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_update_peak_stats"})
+#: Undocumented attributes of torchao's ``CPUOffloadOptimizer`` (not underscored; distinctive enough to flag).
+UPSTREAM_INTERNALS = frozenset({"param_d2h_map", "optim_dict", "d_opt"})
+
+
+def _private_upstream_uses(path: Path) -> list[str]:
+    """Where ``path`` reaches into private upstream API: private upstream modules or names imported, attribute
+    chains from an upstream package with a private part, and the known private names of upstream objects."""
+    found = []
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for module in modules:
+                if module.split(".")[0] in UPSTREAM and (any(map(private, module.split(".")))
+                                                          or any(map(private, names))):
+                    found.append(f"{where}: import from {module}: {names or module}")
+        elif isinstance(node, ast.Attribute):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            upstream_chain = isinstance(base, ast.Name) and base.id in UPSTREAM and any(map(private, chain))
+            if (upstream_chain or node.attr in UPSTREAM_SUBCLASS_INTERNALS
+                    or (not on_self and node.attr in UPSTREAM_PRIVATE_NAMES | UPSTREAM_INTERNALS)):
+                found.append(f"{where}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and node.value in UPSTREAM_PRIVATE_NAMES | UPSTREAM_SUBCLASS_INTERNALS:
+            found.append(f"{where}: string {node.value!r}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in UPSTREAM_SUBCLASS_INTERNALS:
+            found.append(f"{where}: overrides {node.name}")
+    return found
+
+
+def test_only_compat_reaches_into_private_upstream_api() -> None:
+    compat = ROOT / "autotune" / "_compat.py"
+    found = [use for path in _modules().values() if path != compat for use in _private_upstream_uses(path)]
+    assert found == [], "private upstream API outside autotune/_compat.py (add a function there): " + "; ".join(found)
+
+
+def test_the_private_api_check_sees_what_compat_does() -> None:
+    # The check above is only as good as its lists: run on _compat.py itself, it must see every kind of access.
+    found = "\n".join(_private_upstream_uses(ROOT / "autotune" / "_compat.py"))
+    for expected in ("import from torch.distributed._tools.mem_tracker", "trainer._logger_connector",
+                     "torch.nn.modules.batchnorm._BatchNorm", "string '_current_fx_name'", "study._storage",
+                     "overrides _update_peak_stats", "self._curr_mem_snap", "offload.param_d2h_map"):
+        assert expected in found
