@@ -200,7 +200,8 @@ BATCH_TRANSFER_HANDLER = "_apply_batch_transfer_handler"
 def batch_transfer_handler(module: Any) -> Callable[..., Any]:
     """The module's current batch transfer method (see :data:`BATCH_TRANSFER_HANDLER`); ``AttributeError`` at
     ``ElasticBatchSize`` setup if it is gone."""
-    return getattr(module, BATCH_TRANSFER_HANDLER)
+    handler: Callable[..., Any] = getattr(module, BATCH_TRANSFER_HANDLER)
+    return handler
 
 
 def logs_written_this_step(trainer: Any) -> bool:
