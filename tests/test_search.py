@@ -130,7 +130,8 @@ def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
     assert fast.user_attrs["steps_timed"] == 6
     assert second.state == TrialState.COMPLETE  # the bar is 90% of the second best: two must have run in full
     assert slow.params["micro_batch_size"] == 8 and slow.state == TrialState.PRUNED
-    assert slow.user_attrs["steps_timed"] == 2  # stopped after a third of its steps
+    # Stopped before its 6 steps: checked from the second timed step on (a loaded machine may need a step or two more).
+    assert 2 <= slow.user_attrs["steps_timed"] < 6
     assert "clearly slower" in slow.user_attrs["reason"]
     assert result.plan.micro_batch_size in (32, 16)  # the pruned plan is never chosen
 
