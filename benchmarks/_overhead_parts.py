@@ -1,20 +1,17 @@
 """Definitions and report rendering of ``benchmarks/elastic_overhead.py``, moved here to keep that script short: the
 benchmark's fixed settings (the example GPT's size, the effective batch ``N``, the split ``k`` and the goals), its
 sizings and the configurations it measures, and the functions that turn its results into the Markdown report it prints
-(the machine description, the table and the notes under it). Nothing here trains or times anything; the script imports
-this module from its own directory (``benchmarks/``, which it makes sure is on ``sys.path``).
+(the table and the notes under it; the machine description comes from ``_common``). Nothing here trains or times
+anything; the script imports this module from its own directory (``benchmarks/``, which it makes sure is on
+``sys.path``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import os
-import platform
 from dataclasses import dataclass, replace
 from typing import Any
 
-import lightning
-import torch
+from _common import markdown_table
 
 #: The example GPT, sized so that a CPU step at batch ``N`` takes roughly 100 ms on one core of a 2-core VM.
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "dropout": 0.0, "lr": 3e-4, "warmup_steps": 2}
@@ -89,27 +86,6 @@ DDP = {c.name: replace(c, label="DDP x2: " + c.label) for c in (
 
 
 # ------------------------------------------------------------------------------------------------- reporting
-def machine(device: str) -> dict[str, Any]:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
-    return info
-
-
 def _ratio(c: dict[str, float]) -> str:
     return f"{c['ratio']:.3f} ({c['ratio_min']:.3f}-{c['ratio_max']:.3f})"
 
@@ -157,17 +133,14 @@ def _oom_ratio(c: dict[str, float]) -> str:
     return f"{1 + c['extra_steps']:.2f} ({1 + c['extra_steps_min']:.2f}-{1 + c['extra_steps_max']:.2f})"
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    header = ["measurement", "configuration", "ms/step (median)", "delta ms", "ratio (range over repeats)",
-              "CPU ms/step", "CPU ratio (range)", "goal", "met? (wall / CPU)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+#: The columns of :func:`table_rows`.
+HEADER = ["measurement", "configuration", "ms/step (median)", "delta ms", "ratio (range over repeats)", "CPU ms/step",
+          "CPU ratio (range)", "goal", "met? (wall / CPU)"]
 
 
 def report(results: dict[str, Any]) -> str:
     m, s, o, a = results["machine"], results["sizing"], results["oom"], results["attribution"]
-    load = f"load average {_load(m['load_avg_at_start'])} at start, {_load(results['load_avg_at_end'])} at end"
+    load = f"load average {_load(m['load_average'])} at start, {_load(results['load_avg_at_end'])} at end"
     clocks = ("wall", "cpu") if results["device"] == "cpu" else ("wall",)
     lines = [
         "## Elastic runtime overhead",
@@ -185,7 +158,7 @@ def report(results: dict[str, Any]) -> str:
         "per-repeat ratios; CPU: the process's CPU time per step (on CPU only), which other processes on the machine "
         "barely change.",
         "",
-        markdown_table(table_rows(results)),
+        markdown_table(HEADER, table_rows(results)),
         "",
     ]
     for clock in clocks:

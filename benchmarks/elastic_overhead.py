@@ -54,13 +54,22 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from typing_extensions import override
 
-ROOT = Path(__file__).resolve().parents[1]
-_GPT_DIR = str(ROOT / "examples" / "gpt")
-if _GPT_DIR not in sys.path:  # model.py and data.py import as train.py imports them
-    sys.path.insert(0, _GPT_DIR)
-_HERE = str(ROOT / "benchmarks")
-if _HERE not in sys.path:  # _overhead_parts.py, also when this file is loaded by path rather than run as a script
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # _common.py and _overhead_parts.py, also when this file is loaded by path
     sys.path.insert(0, _HERE)
+
+from _common import (  # noqa: E402
+    add_device,
+    add_json,
+    add_threads,
+    load_average,
+    machine,
+    make_parser,
+    threads_for,
+    use_paths,
+)
+
+use_paths(gpt=True)  # model.py and data.py import as train.py imports them
 
 from _overhead_parts import (  # noqa: E402
     ATTRIBUTED_DDP,
@@ -78,13 +87,11 @@ from _overhead_parts import (  # noqa: E402
     VOCAB,
     RunConfig,
     Sizing,
-    machine,
     report,
 )
+from autotune.callbacks import ElasticBatchSize  # noqa: E402
 from data import SyntheticTokens  # noqa: E402
 from model import GPT  # noqa: E402
-
-from autotune.callbacks import ElasticBatchSize  # noqa: E402
 
 
 class StepTimer(Callback):
@@ -406,20 +413,15 @@ def ddp_worker(name: str, out: Path, sizing: Sizing, device: str) -> None:
     path.write_text(json.dumps(result))
 
 
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (< 4 min on a 2-core CPU)")
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", type=Path, help="also write the raw timings and the summary here")
+    add_device(parser, default="cuda" if torch.cuda.is_available() else "cpu")
+    add_json(parser, "also write the raw timings and the summary here")
     parser.add_argument("--skip-ddp", action="store_true", help="leave out measurement 4")
     parser.add_argument("--ddp-worker", choices=sorted(DDP), help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of the single-process runs (default: 1 on CPU, torch's default on CUDA); "
-                             "DDP on CPU always runs 2 processes of 1 thread")
+    add_threads(parser, "torch threads of the single-process runs (default: 1 on CPU, torch's default on CUDA); "
+                        "DDP on CPU always runs 2 processes of 1 thread")
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ddp_worker:
         ddp_worker(args.ddp_worker, args.out, sizing, args.device)
         return 0
-    threads = args.threads or (1 if args.device == "cpu" else None)
+    threads = threads_for(args.device, args.threads)
     if threads:  # one thread: steadier when other processes share the cores, and no idle OpenMP spinning
         torch.set_num_threads(threads)
     start = time.perf_counter()
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         results["ddp"] = summarize(raw["ddp"], sizing.ddp_warmup, "ddp_native_acc")
         phases["ddp"] = time.perf_counter() - start - phases["single_process"]
     results["attribution"] = attribute(sizing, args.device)
-    results["load_avg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results["load_avg_at_end"] = load_average()
     results["wall_s"] = time.perf_counter() - start
     print(report(results))
     if args.json:

@@ -9,10 +9,13 @@ fresh weights and its peak is measured by code that shares nothing with the esti
 - CUDA: ``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats()``.
 
 The real step is the one Lightning runs with the plan's callbacks: the plan's precision through Lightning's
-precision plugins, checkpointing through ``autotune._runtime.blocks`` (what ``ApplyPlan`` calls), offload through
-``save_on_cpu`` (pinned on CUDA), and, when the micro-batch is smaller than the batch, one forward and backward
-per micro-batch accumulating into the gradients (``ElasticBatchSize``), with ``zero_grad`` after the first
-forward and one ``optimizer.step()`` at the end. One warm-up step comes first (it makes the optimizer state); the
+precision plugins, checkpointing by non-reentrant ``torch.utils.checkpoint`` around each of the model's own blocks
+(the first ``activation_checkpointing`` share of them, in module order, as ``ApplyPlan`` chooses them), offload
+through ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA), optimizer offload through torchao's
+``CPUOffloadOptimizer``, and, when the micro-batch is smaller than the batch, one forward and backward per
+micro-batch slice of the batch accumulating into the gradients (``ElasticBatchSize``), with ``zero_grad`` after
+the first forward and one ``optimizer.step()`` at the end. None of it calls autotune's own runtime code, so the
+reference is independent of the code it checks. One warm-up step comes first (it makes the optimizer state); the
 second step is measured. Seeds are fixed.
 
 Usage::
@@ -26,13 +29,15 @@ The table is printed as Markdown (for ``docs/benchmarks.md``), with the median a
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import functools
 import gc
 import importlib.util
+import inspect
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -47,20 +52,17 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-ROOT = Path(__file__).resolve().parents[1]
-_GPT_DIR = str(ROOT / "examples" / "gpt")
-if _GPT_DIR not in sys.path:
-    sys.path.insert(0, _GPT_DIR)
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
+    sys.path.insert(0, _HERE)
 
-from model import GPT  # noqa: E402
+from _common import add_device, add_json, make_parser, markdown_table, use_paths  # noqa: E402
 
-from autotune import Plan, probe_memory  # noqa: E402
-from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks  # noqa: E402
-from autotune._runtime.batch import batch_size_of, slice_batch  # noqa: E402
-from autotune._estimate.estimate import estimate  # noqa: E402
-from autotune._runtime.offload import OffloadedOptimizer  # noqa: E402
+use_paths(gpt=True)
+
+from model import GPT, Block  # noqa: E402
+
+from autotune import Plan, estimate, probe_memory  # noqa: E402
 
 #: The models measured: three sizes of the example GPT (the first is ``examples/gpt/train.py:make``), an MLP of
 #: residual blocks and a small CNN with BatchNorm. Each batch holds 16 samples.
@@ -71,6 +73,11 @@ GPT_SIZES = {
 }
 MODELS = (*GPT_SIZES, "mlp", "cnn")
 BATCH = 16
+#: Parameters with fewer elements keep their update on the device under optimizer offload (the value autotune's
+#: runtime passes to torchao as ``minimal_size``).
+OFFLOAD_MIN_NUMEL = 4096
+#: Optimizer settings about how an update runs on its device, left to each side's default under offload.
+_DEVICE_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 class MLPBlock(nn.Module):
@@ -185,18 +192,18 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
     precision = _precision_plugin(plan.precision, device)
     if precision is not None and hasattr(precision, "convert_module") and plan.precision.endswith("-true"):
         model = precision.convert_module(model)
-    undo = _nothing_to_undo
     if plan.activation_checkpointing:
-        undo = checkpoint_blocks(select_blocks(model, plan.activation_checkpointing))
-    optimizer = _optimizer(model)
+        _checkpoint(_blocks(model, plan.activation_checkpointing))
+    optimizer: Any = _optimizer(model)
     if plan.optimizer_offload:
-        optimizer = OffloadedOptimizer(optimizer, refresh_grads=False)
-    size = batch_size_of(batch)
+        optimizer = _offloaded(optimizer)
+    size = batch[0].shape[0]  # every batch here is a tuple of tensors, samples first
     micro = plan.micro_batch_size or size
-    parts = [slice_batch(batch, i, min(i + micro, size), size) for i in range(0, size, micro)]
+    parts = [tuple(t[i:i + micro] for t in batch) for i in range(0, size, micro)]
 
     def step() -> None:
-        offload = offload_activations(pin_memory=device.type == "cuda") if plan.activation_offload else _nothing()
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if plan.activation_offload
+                   else _nothing())
         with offload:
             for i, part in enumerate(parts):
                 part = _to(part, device, precision)
@@ -211,23 +218,49 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            if device.type == "cuda":
-                step()
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                step()
-                torch.cuda.synchronize(device)
-                return torch.cuda.max_memory_allocated(device) - base
-            return _profiled_cpu_peak(model, batch, step)
-        finally:
-            undo()
-            if isinstance(optimizer, OffloadedOptimizer):
-                optimizer.close()
+        if device.type == "cuda":
+            step()
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - base
+        return _profiled_cpu_peak(model, batch, step)
 
 
-def _nothing_to_undo() -> None:
-    pass
+#: The classes of the repeated blocks of the models measured: what checkpointing wraps.
+BLOCKS: tuple[type[nn.Module], ...] = (Block, MLPBlock, ConvBlock)
+
+
+def _blocks(model: nn.Module, share: float | tuple[str, ...]) -> list[nn.Module]:
+    """The blocks a plan's ``activation_checkpointing`` names: the first ``share`` of the model's blocks (in module
+    order, rounded up), or those whose class name is listed."""
+    if isinstance(share, tuple):
+        return [m for m in model.modules() if type(m).__name__ in share]
+    blocks = [m for m in model.modules() if isinstance(m, BLOCKS)]
+    return blocks[: math.ceil(share * len(blocks) - 1e-9)] if share > 0 else []
+
+
+def _checkpoint(blocks: list[nn.Module]) -> None:
+    """Recompute each of ``blocks`` in backward: its forward runs under non-reentrant ``checkpoint`` (the model is a
+    throw-away copy, so nothing is undone)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def _offloaded(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer`` (its class and settings) rebuilt as torchao's ``CPUOffloadOptimizer``: state and update on the
+    host for parameters of at least ``OFFLOAD_MIN_NUMEL`` elements, gradients copied to the host during backward."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    accepted = inspect.signature(type(optimizer)).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in _DEVICE_KEYS}
+    groups = [{**{k: v for k, v in g.items() if k not in _DEVICE_KEYS}, "params": list(g["params"])}
+              for g in optimizer.param_groups]
+    return CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), minimal_size=OFFLOAD_MIN_NUMEL, **settings)
+
 
 
 def _optimizer(model: LightningModule) -> torch.optim.Optimizer:
@@ -324,10 +357,9 @@ def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[s
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
     """The rows as a Markdown table, and the median absolute error."""
     mib = 2**20
-    lines = ["| model | plan | predicted (MiB) | measured (MiB) | error |", "|---|---|---:|---:|---:|"]
-    for row in rows:
-        lines.append(f"| {row['model']} | {row['plan']} | {row['predicted_bytes'] / mib:.2f} | "
-                     f"{row['measured_bytes'] / mib:.2f} | {row['error']:+.1%} |")
+    cells = [[row["model"], row["plan"], f"{row['predicted_bytes'] / mib:.2f}", f"{row['measured_bytes'] / mib:.2f}",
+              f"{row['error']:+.1%}"] for row in rows]
+    lines = [markdown_table(["model", "plan", "predicted (MiB)", "measured (MiB)", "error"], cells, right=(2, 3, 4))]
     errors = [abs(row["error"]) for row in rows]
     lines.append("")
     lines.append(f"Median absolute error on {device}: {statistics.median(errors):.1%} over {len(rows)} cases "
@@ -340,11 +372,11 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: cpu)")
+    parser = make_parser(__doc__, raw=False)
+    add_device(parser, help="'cpu' or 'cuda' (default: cpu)", choices=None)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--quick", action="store_true", help="leave out the offload plans")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    add_json(parser, "also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = run(models=args.models, plan_list=plans(quick=args.quick, device=args.device), device=args.device)

@@ -1,14 +1,17 @@
 """Search quality: ``autotune.search`` against an exhaustive search of the same space, measured side by side.
 
 For each example model and memory budget, two searches run on the same plan space with the same trial runner
-(``autotune._trial.run_trial``: a fresh process per trial, ``warmup + steps`` optimizer steps, end-to-end
-samples/s and the process's peak memory):
+(``autotune.measure_plan``, what a search trial runs: a fresh process per trial, ``warmup + steps`` optimizer
+steps, end-to-end samples/s and the process's peak memory):
 
 - **ours**: ``autotune.search`` as shipped (TPE, the space's seeds, the plan cache, early stop of slow trials,
   re-measuring the top plans) with ``--trials`` trials and sampler seed 0;
-- **exhaustive**: Optuna's ``BruteForceSampler`` over every point of the space, driven by the search's own
-  objective with early stop turned off (every plan measured in full; a plan met twice, like ``auto`` resolving to
-  the whole batch, is measured once). Its optimum is the best feasible measured throughput.
+- **exhaustive**: every point of the space (``SearchSpace.points()``, in order) measured once with
+  ``autotune.measure_plan``: no early stop, no cache, no estimate-based rejection (a plan met twice, like ``auto``
+  resolving to the whole batch, is measured once). An ``auto`` micro-batch resolves as the search resolves it: the
+  largest micro-batch whose ``autotune.estimate`` fits the budget less a baseline (on CPU this process's resident
+  set with the target loaded, raised to the largest measured peak less its estimate as plans are measured; 0 on
+  CUDA). Its optimum is the best feasible measured throughput.
 
 Both winners are then measured again, interleaved, ``rounds`` times each with longer trials; the throughput ratio
 is the ratio of the medians (goal >= 0.97). Also reported: the wall-time ratio (goal <= 0.20) and the number of
@@ -37,11 +40,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,9 +50,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = f"{ROOT / 'examples' / 'gpt' / 'train.py'}:make"
-HUNGRY = f"{ROOT / 'tests' / 'fixtures' / 'search_target.py'}:make"
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
+    sys.path.insert(0, _HERE)
+
+from _common import (  # noqa: E402
+    GPT_TARGET as GPT,
+)
+from _common import (
+    HUNGRY_TARGET as HUNGRY,
+)
+from _common import (
+    add_device,
+    add_json,
+    add_threads,
+    current_rss_bytes,
+    load_average,
+    machine,
+    machine_line,
+    make_parser,
+    markdown_table,
+    quiet,
+    threads_for,
+    write_json,
+)
 
 #: Goals: our winner's throughput over the exhaustive one's, our wall time over the exhaustive one's.
 GOAL_QUALITY, GOAL_WALL = 0.97, 0.20
@@ -60,6 +81,8 @@ GOAL_QUALITY, GOAL_WALL = 0.97, 0.20
 REACH_SHARE = 0.95
 #: Dimensions left out of the shipped space with --quick, so that the exhaustive pass fits in the time.
 QUICK_DROP = ("num_workers",)
+#: The ``micro_batch_size`` choice the search resolves with the estimator.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -93,81 +116,142 @@ def _fits(row: dict[str, Any], budget_bytes: int) -> bool:
 # ------------------------------------------------------------------------------------------------ the searches
 
 
-def _objective(target: str, space_spec: str, budget: str, device: str, steps: int, warmup: int, *,
-               early_stop: bool, prior: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The search's own objective (and its space) for a target, budget and device, as ``search`` builds it.
+def plan_of(params: dict[str, Any], micro_batch_size: int | None) -> Any:
+    """The plan of one point of a space (Optuna params); ``micro_batch_size`` replaces an ``auto`` choice."""
+    from autotune import Plan
 
-    ``early_stop=False`` measures every trial in full; ``prior`` (plan description -> TrialResult) answers plans
-    already measured, as the search's own cache does.
+    values = dict(params)
+    if values.get("micro_batch_size") == AUTO:
+        values["micro_batch_size"] = micro_batch_size
+    return Plan.from_dict(values)
+
+
+class AutoMicro:
+    """``micro_batch_size: auto`` resolved as the search resolves it, with public calls only: the largest
+    micro-batch of the target's first batch whose ``autotune.estimate`` peak, plus a baseline, fits the budget.
+
+    The baseline is what a trial's measured peak holds besides the tensors the estimator counts: on CPU this process's
+    resident set with the target loaded until a plan is measured, then the largest measured peak less that plan's
+    estimate; 0 on CUDA. Each choice is kept until the baseline changes. When the estimator fails the choice is the
+    whole batch; when one sample does not fit, 1.
     """
-    from autotune._device.budget import Budget
-    from autotune._device.probe import probe_memory, resolve_device
-    from autotune._search.search import _Objective
-    from autotune._plan.space import load_space
-    from autotune._target.target import load_target
 
-    class _Full(_Objective):
-        def _stop_below(self, study: Any) -> float | None:
+    def __init__(self, target: Any, device: str) -> None:
+        self.target, self.device = target, device
+        self.baseline = current_rss_bytes() if device != "cuda" else 0
+        self.calibrated = device == "cuda"  # on CPU, until a measured plan gives the baseline
+        self._batch: Any = None
+        self._choices: dict[str, int] = {}
+
+    def _peak(self, plan: Any) -> int | None:
+        """The predicted peak of ``plan`` in bytes (tensors only), or None when the estimator fails."""
+        from autotune import estimate
+
+        try:
+            if self._batch is None:  # the first training batch, as a trial's first step sees it
+                owner = self.target.datamodule if self.target.datamodule is not None else self.target.model
+                if self.target.datamodule is not None:
+                    self.target.datamodule.setup("fit")
+                self._batch = next(iter(owner.train_dataloader()))
+            return estimate(model=self.target.model, batch=self._batch, plan=plan,
+                            device=self.device).predicted_peak_bytes
+        except Exception as err:  # the estimator is an aid, as in the search: the point is still measured
+            print(f"estimator failed on {plan.describe()}: {type(err).__name__}: {err}", file=sys.stderr)
             return None
 
-        def _cached(self, trial: Any, plan: Any) -> Any:
-            known = (prior or {}).get(plan.describe())
-            return known if known is not None else super()._cached(trial, plan)
+    def calibrate(self, plan: Any, measured_peak: int) -> None:
+        """On CPU, raise the baseline to ``measured_peak`` less ``plan``'s estimate (forgetting earlier choices)."""
+        if self.device == "cuda":
+            return
+        predicted = self._peak(plan)
+        if predicted is None:
+            return
+        baseline = measured_peak - predicted
+        if not self.calibrated or baseline > self.baseline:
+            self.baseline, self.calibrated = baseline, True
+            self._choices.clear()
 
-    dev = resolve_device(device)
-    tgt = load_target(target)
-    parsed = Budget.parse(budget)
-    probe = probe_memory(dev)
-    budget_bytes = parsed.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
-    space = load_space(space_spec).for_device(dev, batch_size=tgt.batch_size())
-    cls = _Objective if early_stop else _Full
-    runner = cls(target=target, config=None, target_obj=tgt, space=space, budget=parsed, budget_bytes=budget_bytes,
-                 device=dev, devices=1, steps=steps, warmup=warmup, trial_timeout=600.0)
-    return runner, space
+    def resolve(self, params: dict[str, Any], budget_bytes: int, batch_size: int) -> int:
+        """The micro-batch for the ``auto`` point ``params``: bisection over 1..``batch_size`` (the peak grows with
+        the micro-batch, so this is the largest that fits)."""
+        plan = plan_of(params, None)
+        key = plan.key()
+        if key not in self._choices:
+            self._choices[key] = self._largest(plan, budget_bytes - self.baseline, batch_size)
+        return self._choices[key]
+
+    def _largest(self, plan: Any, room: int, batch_size: int) -> int:
+        if room <= 0:
+            return 1
+        peaks: dict[int, int | None] = {}
+
+        def fits(micro: int) -> bool | None:
+            if micro not in peaks:
+                peaks[micro] = self._peak(plan.replace(micro_batch_size=micro))
+            peak = peaks[micro]
+            return None if peak is None else peak <= room
+
+        first = fits(1)
+        if first is None:
+            return batch_size
+        if not first:
+            return 1
+        lo, hi = 1, batch_size + 1  # lo fits, hi does not (batch_size + 1 stands for "none larger")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok = fits(mid)
+            if ok is None:
+                return batch_size
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        return lo
 
 
-def run_exhaustive(case: Case, budget: str, device: str, steps: int, warmup: int, tmp: Path,
+def run_exhaustive(case: Case, budget: str, device: str, steps: int, warmup: int,
                    base: Exhaustive | None = None) -> Exhaustive:
-    """Every point of the space through the search's objective (no early stop), with ``BruteForceSampler``.
+    """Every point of the space measured once with ``autotune.measure_plan`` (no early stop, no cache).
 
     With ``base`` (a pass under another budget, on CPU where a concrete plan's measurement does not depend on the
     budget) only plans ``base`` did not measure are run: ``auto`` micro-batches resolve per budget. The result's
     rows and wall time are ``base``'s plus the new ones.
     """
-    import optuna
+    import torch
 
-    from autotune._search.search import _TrialCrashed
-    from autotune._search.storage import open_storage
-    from autotune._search.trial import TrialResult
+    from autotune import Budget, load_space, load_target, measure_plan, probe_memory
 
-    prior = None
-    if base is not None:
-        prior = {r["plan"]: TrialResult(r["status"], samples_per_second=r["samples_per_second"] or None,
-                                        peak_bytes=r["peak_bytes"]) for r in base.rows}
-    runner, space = _objective(case.target, case.space, budget, device, steps, warmup, early_stop=False, prior=prior)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp / f'exhaustive-{case.name}-{budget}.db'}"),
-                                direction="maximize",
-                                sampler=optuna.samplers.BruteForceSampler(seed=0, avoid_premature_stop=True))
-    start = time.perf_counter()
-    study.optimize(runner, catch=(_TrialCrashed,))
-    wall = time.perf_counter() - start
+    tgt = load_target(case.target)
+    batch_size = tgt.batch_size()
+    space = load_space(case.space).for_device(torch.device(device), batch_size=batch_size)
+    probe = probe_memory(device)
+    budget_bytes = Budget.parse(budget).resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+    auto = AutoMicro(tgt, device)
+    known = {r["plan"] for r in base.rows} if base is not None else set()
+    seen: set[str] = set()
     rows = list(base.rows) if base is not None else []
-    for t in study.get_trials(deepcopy=False):
-        attrs = t.user_attrs
-        if attrs.get("source") != "measured":
+    start = time.perf_counter()
+    for number, params in enumerate(space.points()):
+        micro = params.get("micro_batch_size")
+        if micro == AUTO:
+            micro = auto.resolve(params, budget_bytes, batch_size)
+        plan = plan_of(params, micro)
+        if plan.key() in seen or plan.describe() in known:
             continue
-        rows.append({"number": t.number, "plan": attrs.get("plan"), "params": dict(t.params),
-                     "micro_batch_size": attrs.get("micro_batch_size"), "status": attrs.get("status", "error"),
-                     "samples_per_second": attrs.get("samples_per_second") or 0.0,
-                     "peak_bytes": attrs.get("peak_bytes"), "wall_seconds": attrs.get("wall_seconds")})
+        seen.add(plan.key())
+        result = measure_plan(target=case.target, plan=plan, budget=budget, device=device, steps=steps,
+                              warmup=warmup, timeout=600.0)
+        if result.status == "ok" and result.peak_bytes:
+            auto.calibrate(plan, result.peak_bytes)
+        rows.append({"number": number, "plan": plan.describe(), "params": dict(params),
+                     "micro_batch_size": plan.micro_batch_size, "status": result.status,
+                     "samples_per_second": result.samples_per_second or 0.0, "peak_bytes": result.peak_bytes,
+                     "wall_seconds": result.wall_seconds})
+    wall = time.perf_counter() - start
     return Exhaustive(wall_seconds=wall + (base.wall_seconds if base is not None else 0.0), points=space.size(),
-                      rows=rows, batch_size=runner.target_obj.batch_size())
+                      rows=rows, batch_size=batch_size)
 
 
 def run_ours(case: Case, budget: str, device: str, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
     """``autotune.search`` as shipped; returns its plan, wall time and the trials in order."""
-    from autotune._search.search import search
+    from autotune import search
 
     start = time.perf_counter()
     result = search(target=case.target, budget=budget, space=case.space, trials=case.trials,
@@ -199,16 +283,16 @@ def remeasure_side_by_side(case: Case, budget: str, device: str, steps: int, war
                            rounds: int) -> list[dict[str, Any]]:
     """Measure each plan ``rounds`` times with ``steps`` timed steps, interleaved (round r runs them all, in an
     order rotated by r); the median throughput and the largest peak of each."""
-    from autotune._plan.space import plan_from_params
+    from autotune import measure_plan
 
-    runner, _ = _objective(case.target, case.space, budget, device, steps, warmup, early_stop=False)
     runs: list[list[Any]] = [[] for _ in plans]
     for r in range(rounds):
         order = list(range(len(plans)))
         order = order[r % len(order):] + order[: r % len(order)]
         for i in order:
-            plan = plan_from_params(plans[i]["params"], micro_batch_size=plans[i]["micro_batch_size"])
-            runs[i].append(runner.remeasure(plan))
+            plan = plan_of(plans[i]["params"], plans[i]["micro_batch_size"])
+            runs[i].append(measure_plan(target=case.target, plan=plan, budget=budget, device=device, steps=steps,
+                                        warmup=warmup, timeout=600.0))
     out = []
     for result_runs in runs:
         ok = [x for x in result_runs if x.status == "ok"]
@@ -240,46 +324,8 @@ def choose_budgets(ex: Exhaustive, batch_size: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ machine, output
 
 
-def machine(device: str, threads: int | None) -> dict[str, Any]:
-    import lightning
-    import optuna
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "lightning": lightning.__version__, "optuna": optuna.__version__,
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
-            "torch_threads": threads or torch.get_num_threads(), "load_average": os.getloadavg()}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def _mib(n: int | None) -> str:
     return f"{n / 2**20:.1f}" if n else "-"
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    """One line naming the machine, the library versions, the date and the load when the run started."""
-    return (f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; python {m['python']}, "
-            f"torch {m['torch']}, lightning {m['lightning']}, optuna {m['optuna']}; device {m['device']}"
-            + (f" ({m['gpu']})" if m.get("gpu") else "") + f"; {m['date']}; load average (1, 5, 15 min) at start "
-            f"{', '.join(f'{x:.1f}' for x in m['load_average'])}"
-            + (f", at end {', '.join(f'{x:.1f}' for x in m['load_average_end'])}" if m.get("load_average_end") else ""))
 
 
 def report(results: dict[str, Any]) -> str:
@@ -300,7 +346,7 @@ def report(results: dict[str, Any]) -> str:
     goals = (f"throughput ratio: min {min(ratios):.3f}, goal >= {GOAL_QUALITY} "
              f"({'met' if min(ratios) >= GOAL_QUALITY else 'NOT met'}); wall-time ratio: max {max(walls):.2f}, goal "
              f"<= {GOAL_WALL} ({'met' if max(walls) <= GOAL_WALL else 'NOT met'})")
-    return "\n".join([head, "", markdown_table(rows), "", goals, f"total wall time {results['wall_seconds']:.0f} s"])
+    return "\n".join([head, "", markdown_table(rows[0], rows[1:], pad=True), "", goals, f"total wall time {results['wall_seconds']:.0f} s"])
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -332,7 +378,7 @@ def run_case(case: Case, args: argparse.Namespace, tmp: Path) -> list[dict[str, 
     dev = args.device
     first_budget = "1024GiB" if dev == "cpu" else "0.95"
     print(f"[{case.name}] exhaustive pass over space '{case.space}' ...", file=sys.stderr, flush=True)
-    base = run_exhaustive(case, first_budget, dev, args.steps, args.warmup, tmp)
+    base = run_exhaustive(case, first_budget, dev, args.steps, args.warmup)
     print(f"[{case.name}] {len(base.rows)} plans measured in {base.wall_seconds:.0f} s", file=sys.stderr, flush=True)
     out = []
     for name, mib in choose_budgets(base, base.batch_size).items():
@@ -341,9 +387,9 @@ def run_case(case: Case, args: argparse.Namespace, tmp: Path) -> list[dict[str, 
         budget = f"{mib}MiB"
         budget_bytes = mib * 2**20
         if dev == "cpu":  # measurements carry over; only plans new under this budget (``auto``) are run
-            ex = run_exhaustive(case, budget, dev, args.steps, args.warmup, tmp, base=base)
+            ex = run_exhaustive(case, budget, dev, args.steps, args.warmup, base=base)
         else:
-            ex = run_exhaustive(case, budget, dev, args.steps, args.warmup, tmp)
+            ex = run_exhaustive(case, budget, dev, args.steps, args.warmup)
         best = ex.best(budget_bytes)
         if best is None:
             print(f"[{case.name}] no plan fits {budget}; skipped", file=sys.stderr)
@@ -376,17 +422,15 @@ def run_case(case: Case, args: argparse.Namespace, tmp: Path) -> list[dict[str, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the GPT example only, short trials (~4 min on 2 CPUs)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per trial (default: 1 on CPU, torch's default on CUDA)")
+    add_device(parser)
+    add_threads(parser, "intra-op threads per trial (default: 1 on CPU, torch's default on CUDA)")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials of our search (default: 20 with --quick, else 30, the search's default)")
     parser.add_argument("--budgets", nargs="+", choices=["loose", "tight"], default=None,
                         help="which budgets (default: tight with --quick, else both)")
-    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    add_json(parser)
     args = parser.parse_args(argv)
     if args.budgets is None:
         args.budgets = ["tight"] if args.quick else ["loose", "tight"]
@@ -400,24 +444,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
+    threads = threads_for(args.device, args.threads)
     if threads:  # before torch starts (here and in the trial fork server, which inherits the environment)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
+    quiet()
     start = time.perf_counter()
-    results: dict[str, Any] = {"machine": machine(args.device, threads), "quick": args.quick, "cases": []}
+    results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "quick": args.quick, "cases": []}
     with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp:
         for case in cases(args, Path(tmp)):
             results["cases"] += run_case(case, args, Path(tmp))
     results["wall_seconds"] = time.perf_counter() - start
-    results["machine"]["load_average_end"] = os.getloadavg()
+    results["machine"]["load_average_end"] = load_average()
     print(report(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+    write_json(args.json, results)
     return 0
 
 

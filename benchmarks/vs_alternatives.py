@@ -13,7 +13,7 @@ For each model, with the model's effective batch ``B`` (its dataloader's batch s
 - **autotune**: the plan of a short ``autotune.search`` (``--trials`` trials: 15 with ``--quick``, else 30; the
   device's shipped space; sampler seed 0).
 
-Every candidate is then measured side by side with the search's trial runner (``autotune._trial.run_trial``: a
+Every candidate is then measured side by side as a search trial measures a plan (``autotune.measure_plan``: a
 fresh process, end-to-end samples/s after warm-up, the process's peak memory) in interleaved rounds (3 with
 ``--quick``, else 5; the BatchSizeFinder's batch 1 or 3 times, as its samples/s compare with nothing), medians
 reported; "vs halving" is a candidate's median samples/s over the halving one's. "Budget use" is the chosen
@@ -37,7 +37,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,9 +46,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT = f"{ROOT / 'examples' / 'gpt' / 'train.py'}:make"
-HUNGRY = f"{ROOT / 'tests' / 'fixtures' / 'search_target.py'}:make"
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
+    sys.path.insert(0, _HERE)
+
+from _common import (  # noqa: E402
+    GPT_TARGET as GPT,
+)
+from _common import (
+    HUNGRY_TARGET as HUNGRY,
+)
+from _common import (
+    add_device,
+    add_json,
+    add_threads,
+    current_rss_bytes,
+    in_fresh_process,
+    load_average,
+    machine,
+    machine_line,
+    make_parser,
+    markdown_table,
+    peak_rss_bytes,
+    quiet,
+    threads_for,
+    write_json,
+)
 
 #: The budget: the peak at micro-batch 1 (fp32) plus this share of the way to the naive run's peak.
 BUDGET_SHARE = 0.5
@@ -59,44 +81,19 @@ GOAL_USE = (0.85, 1.00)
 
 @dataclass(frozen=True)
 class Case:
+    """One model: its name in the table and its target."""
+
     name: str
     target: str
 
 
-# ------------------------------------------------------------------------------------------------ child processes
-
-
-def _child(fn_name: str, args: tuple[Any, ...], out: str) -> None:
-    """Runs in a process forked from the trial fork server (so its memory floor is a trial's): ``fn(*args)``."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    result = globals()[fn_name](*args)
-    Path(out).write_text(json.dumps(result))
-    os._exit(0)
-
-
-def in_fresh_process(fn_name: str, *args: Any, timeout: float = 900.0) -> dict[str, Any]:
-    """Run ``fn_name(*args)`` (a function of this module) in a fresh process of the trial runner's fork server."""
-    from autotune._search.trial import _context
-
-    with tempfile.TemporaryDirectory(prefix="autotune-alt-") as tmp:
-        out = Path(tmp) / "out.json"
-        proc = _context().Process(target=_child, args=(fn_name, args, str(out)))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if not out.exists():
-            raise RuntimeError(f"{fn_name}{args} ended without a result (exit code {proc.exitcode})")
-        return json.loads(out.read_text())
+# ------------------------------------------------------------------------------------------------ fresh processes
+# Each worker runs in a fresh process of ``_common.fresh_context()`` (so its memory floor is a trial's).
 
 
 def floor_worker(target: str) -> dict[str, Any]:
     """The process's resident set after building the model and data, before any training."""
-    from autotune._device.meter import current_rss_bytes
-    from autotune._target.target import load_target
+    from autotune import load_target
 
     tgt = load_target(target)
     if tgt.datamodule is not None:
@@ -111,8 +108,7 @@ def batch_size_finder_worker(target: str, device: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.tuner import Tuner
 
-    from autotune._device.meter import peak_rss_bytes
-    from autotune._target.target import load_target
+    from autotune import load_target
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
     tgt = load_target(target)
@@ -138,7 +134,7 @@ def batch_target(target: str, batch_size: int, folder: Path) -> str:
     """A target file that builds ``target`` with the dataloader's batch size set to ``batch_size``."""
     path = folder / f"batch_{batch_size}.py"
     path.write_text(
-        "from autotune._target.target import load_target\n\n\n"
+        "from autotune import load_target\n\n\n"
         "def make():\n"
         f"    t = load_target({target!r})\n"
         f"    t.datamodule.batch_size = {batch_size}\n"
@@ -147,14 +143,16 @@ def batch_target(target: str, batch_size: int, folder: Path) -> str:
     return f"{path}:make"
 
 
-def measure(target: str, plan: dict[str, Any], budget: str, device: str, *, steps: int, warmup: int) -> Any:
-    from autotune._search.trial import TrialSpec, run_trial
+def measure(target: str, plan: dict[str, Any], budget: str | None, device: str, *, steps: int, warmup: int) -> Any:
+    """One run of the plan with settings ``plan`` (see :func:`plan_fields`), as a search trial measures it."""
+    from autotune import Plan, measure_plan
 
-    return run_trial(TrialSpec(target=target, config=None, plan=plan, budget=budget, device=device, steps=steps,
-                               warmup=warmup))
+    return measure_plan(target=target, plan=Plan.from_dict(plan), budget=budget, device=device, steps=steps,
+                        warmup=warmup)
 
 
 def plan_fields(plan: Any) -> dict[str, Any]:
+    """A plan's settings without its provenance and budget (the budget a run gets is the benchmark's)."""
     return {k: v for k, v in vars(plan).items() if k not in ("provenance", "budget")}
 
 
@@ -162,7 +160,7 @@ def halving(target: str, batch: int, budget: str, budget_bytes: int, device: str
             first: Any) -> dict[str, Any]:
     """Micro-batch ``batch``, halved while a run is over the budget (fp32, no other change). ``first`` is the run
     at micro-batch ``batch`` already made (the naive run), counted in the time."""
-    from autotune._plan.plan import Plan
+    from autotune import Plan
 
     tried = []
     micro = batch
@@ -180,9 +178,8 @@ def halving(target: str, batch: int, budget: str, budget_bytes: int, device: str
 
 
 def tuned(case: Case, budget: str, device: str, trials: int, steps: int, warmup: int, folder: Path) -> dict[str, Any]:
-    from autotune._search.search import search
-
-    from autotune._search.search import NoFeasiblePlanError
+    """The plan of a short ``autotune.search`` under ``budget`` and how long choosing it took."""
+    from autotune import NoFeasiblePlanError, search
 
     start = time.perf_counter()
     try:
@@ -220,9 +217,10 @@ def side_by_side(candidates: list[dict[str, Any]], budget: str, device: str, rou
 
 
 def run_case(case: Case, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Budget, every method's choice and the side-by-side measurement for one model."""
     dev, mib = args.device, 2**20
     log = lambda text: print(f"[{case.name}] {text}", file=sys.stderr, flush=True)  # noqa: E731
-    base = in_fresh_process("floor_worker", case.target)
+    base = in_fresh_process(floor_worker, case.target)
     floor, batch = base["floor_bytes"], base["batch_size"]
     # The naive run is also the halving's first try; the run at micro-batch 1 only sets the budget (its peak).
     naive = measure(case.target, plan_fields(_plan(micro_batch_size=batch)), None, dev, steps=args.steps,
@@ -237,7 +235,7 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> dict[str, An
         f"{naive.peak_bytes / mib:.1f} MiB -> budget {budget}")
 
     log("Lightning BatchSizeFinder ...")
-    bsf = in_fresh_process("batch_size_finder_worker", case.target, dev)
+    bsf = in_fresh_process(batch_size_finder_worker, case.target, dev)
     log(f"BatchSizeFinder chose batch {bsf['batch_size']}; halving ...")
     halve = halving(case.target, batch, budget, budget_bytes, dev, args.steps, args.warmup, naive)
     log(f"halving chose micro {halve['micro']} after {len(halve['tried'])} runs; autotune search ...")
@@ -275,7 +273,7 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> dict[str, An
 
 
 def _plan(**fields: Any) -> Any:
-    from autotune._plan.plan import Plan
+    from autotune import Plan
 
     return Plan(**fields)
 
@@ -284,8 +282,7 @@ def _plan(**fields: Any) -> Any:
 
 
 def report(results: dict[str, Any]) -> str:
-    from search_quality import machine_line, markdown_table
-
+    """The Markdown report: the machine, the table, and a line per model."""
     rows = [["model", "budget", "method", "effective batch", "setup", "samples/s", "peak MiB", "fits",
              "budget use", "above floor", "vs halving", "time to choose (s)"]]
     lines = []
@@ -311,20 +308,18 @@ def report(results: dict[str, Any]) -> str:
             f"{', '.join(str(t['micro']) for t in case['halving_tried'])}; autotune budget use "
             + (f"{use:.3f} (goal {lo}-{hi}: {'met' if lo <= use <= hi else 'NOT met'}), above the floor "
                f"{tuned_c['use_above_floor']:.2f}" if use else "- (no plan)"))
-    return "\n".join([machine_line(results["machine"]), "", markdown_table(rows), "", *lines,
+    return "\n".join([machine_line(results["machine"]), "", markdown_table(rows[0], rows[1:], pad=True), "", *lines,
                       f"total wall time {results['wall_seconds']:.0f} s"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short runs (4-5 min on a shared 2-core CPU)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per process (default: 1 on CPU, torch's default on CUDA)")
+    add_device(parser)
+    add_threads(parser, "intra-op threads per process (default: 1 on CPU, torch's default on CUDA)")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials of the autotune search (default: 15 with --quick, else 30)")
-    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    add_json(parser)
     args = parser.parse_args(argv)
     # Timed and warm-up steps of the search's and the halving's trials; timed steps, rounds (and rounds for the
     # BatchSizeFinder's batch, whose samples/s compare with nothing) of the side-by-side measurement.
@@ -337,28 +332,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
-    if threads:  # before torch starts (here and in the trial fork server, which inherits the environment)
+    threads = threads_for(args.device, args.threads)
+    if threads:  # before torch starts (here and in the fork server, which inherits the environment)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    import logging
-    import warnings
-
-    from search_quality import machine
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
+    quiet()
     start = time.perf_counter()
-    results: dict[str, Any] = {"machine": machine(args.device, threads), "quick": args.quick, "cases": []}
+    results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "quick": args.quick, "cases": []}
     with tempfile.TemporaryDirectory(prefix="autotune-vs-") as tmp:
         for case in (Case("gpt", GPT), Case("hungry", HUNGRY)):
             folder = Path(tmp) / case.name
             folder.mkdir()
             results["cases"].append(run_case(case, args, folder))
     results["wall_seconds"] = time.perf_counter() - start
-    results["machine"]["load_average_end"] = os.getloadavg()
+    results["machine"]["load_average_end"] = load_average()
     print(report(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+    write_json(args.json, results)
     return 0
 
 
