@@ -3,6 +3,8 @@
 Four measurements on the example GPT (``examples/gpt``), each against its own baseline:
 
 1. no split: plain Lightning at batch N vs ``ElasticBatchSize(grow=False)`` at batch N (micro-batch N, no OOM);
+   1b the same, with the callback's defaults, on a state-bound GPT (14 M parameters: weights and AdamW state over
+   100 MB, small batches) whose step is dominated by the update, where a cost that grows with the model would show;
 2. split k: Lightning's ``accumulate_grad_batches=k`` at batch N/k vs the callback with ``micro_batch_size=N/k``
    on batch N;
 3. one OOM: ``torch.OutOfMemoryError`` raised once in forward (at the loss, after the logits are computed) when the
@@ -19,9 +21,12 @@ of one optimizer step to the end of the next; warm-up steps are dropped. On CPU 
 process's CPU time per step, a second figure that other processes sharing the cores barely move. Seeds are fixed.
 Single-process CPU runs use one torch thread (``--threads``), as each DDP rank does.
 
-After the table, extra runs (not in it) attribute the callback's time: its hooks, snapshot, meter and log buffer
-are wrapped with timers (CPU time of the training thread), ``release_memory`` is timed on the OOM step, and the DDP
-runs of the callback time its collectives. Results go to stdout (and ``--json PATH``) only.
+After the table, extra runs (not in it) attribute the callback's time with public API only: its hooks are wrapped
+with timers (CPU time of the training thread), ``gc.collect`` is timed on the OOM step (the recovery's collection),
+``ElasticBatchSize.update_snapshot_bytes`` gives the host bytes copied per step for both models, and the DDP runs of
+the callback count and time ``torch.distributed.all_reduce`` calls, votes (float64) apart from gradient buckets.
+Runs log at Lightning's default interval (every 50 steps), as users have it. Results go to stdout (and
+``--json PATH``) only.
 
 Usage::
 
@@ -32,9 +37,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import bisect
-import contextlib
-import functools
 import gc
 import json
 import logging
@@ -45,13 +47,12 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from typing_extensions import override
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -83,53 +84,20 @@ from _overhead_parts import (  # noqa: E402
     OOM,
     PLAIN,
     QUICK,
+    STATE_PLAIN,
     SPLIT_K,
     VOCAB,
+    STATE_BLOCK,
+    STATE_MODEL,
+    STATE_NO_SPLIT,
     RunConfig,
     Sizing,
     report,
 )
 from autotune.callbacks import ElasticBatchSize  # noqa: E402
+from _overhead_timing import SnapshotBytes, StepTimer, all_reduce_dtypes, per_step, timed_calls  # noqa: E402
 from data import SyntheticTokens  # noqa: E402
 from model import GPT  # noqa: E402
-
-
-class StepTimer(Callback):
-    """Seconds from the end of one optimizer step to the end of the next (the first from the start of training).
-
-    ``times`` is wall-clock time (``time.perf_counter``); ``cpu_times`` is this process's CPU time over the same
-    interval, which other processes on the machine barely change (meaningful on CPU only: GPU work is not in it).
-    """
-
-    def __init__(self, *, sync_cuda: bool) -> None:
-        self.sync_cuda = sync_cuda
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
-        self.marks: list[float] = []  # perf_counter at the end of each optimizer step
-        self._last = self._last_cpu = 0.0
-        self._step = 0
-
-    def _now(self) -> float:
-        if self.sync_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._step = trainer.global_step
-        self._last, self._last_cpu = self._now(), time.process_time()
-
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._step:  # an accumulating batch: the optimizer has not stepped yet
-            return
-        now, cpu = self._now(), time.process_time()
-        self.times.append(now - self._last)
-        self.cpu_times.append(cpu - self._last_cpu)
-        self.marks.append(now)
-        self._last, self._last_cpu = now, cpu
-        self._step = trainer.global_step
 
 
 class OOMOnceGPT(GPT):
@@ -161,27 +129,31 @@ def _quiet() -> None:
 
 
 def fit_once(cfg: RunConfig, *, steps: int, accelerator: str, oom_step: int = -1, strategy: str = "auto",
-             devices: int = 1) -> tuple[StepTimer, ElasticBatchSize | None]:
+             devices: int = 1, log_every_step: bool = False) -> tuple[StepTimer, ElasticBatchSize | None]:
     """Train ``steps`` optimizer steps of ``cfg`` from fixed seeds; return the step timer and the callback."""
     seed_everything(0, verbose=False)
     world = devices if strategy == "ddp" else 1
-    data = SyntheticTokens(vocab_size=VOCAB, block_size=BLOCK, batch_size=cfg.batch, val_samples=1, seed=0,
+    block, sizes = (STATE_BLOCK, STATE_MODEL) if cfg.state_bound else (BLOCK, MODEL)
+    data = SyntheticTokens(vocab_size=VOCAB, block_size=block, batch_size=cfg.batch, val_samples=1, seed=0,
                            num_samples=cfg.batch * cfg.accumulate * steps * world, pin_memory=accelerator == "cuda")
     model_cls = OOMOnceGPT if cfg.oom else GPT
-    model = model_cls(vocab_size=VOCAB, block_size=BLOCK, **MODEL)
+    model = model_cls(vocab_size=VOCAB, block_size=block, **sizes)
     if cfg.oom:
         model.oom_step, model.above = oom_step, BATCH // 2
     timer = StepTimer(sync_cuda=accelerator == "cuda")
     elastic = ElasticBatchSize(grow=False, micro_batch_size=cfg.micro, protect_update=cfg.protect) if cfg.elastic \
         else None
-    trainer = Trainer(
+    snapshots = SnapshotBytes(elastic) if elastic else None
+    trainer = Trainer(  # Lightning's default logging interval (every 50 steps), as users have it
         accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
-        accumulate_grad_batches=cfg.accumulate, callbacks=[timer] + ([elastic] if elastic else []),
+        accumulate_grad_batches=cfg.accumulate,
+        callbacks=[timer] + ([elastic, snapshots] if elastic and snapshots else []),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+        limit_val_batches=0, num_sanity_val_steps=0, **({"log_every_n_steps": 1} if log_every_step else {}),
     )
     trainer.fit(model, data)
     _check_run(cfg, trainer, timer, elastic, steps=steps, oom_step=oom_step)
+    timer.snapshot_bytes = snapshots.per_step if snapshots else []
     return timer, elastic
 
 
@@ -192,7 +164,7 @@ def _check_run(cfg: RunConfig, trainer: Trainer, timer: StepTimer, elastic: Elas
     if trainer.global_step != steps or len(timer.times) != steps:
         problems.append(f"{trainer.global_step} steps and {len(timer.times)} timings, expected {steps}")
     if elastic is not None:
-        want_micro = BATCH // 2 if cfg.oom else (cfg.micro or BATCH)
+        want_micro = BATCH // 2 if cfg.oom else (cfg.micro or cfg.batch)
         want_events = [("oom", oom_step, BATCH, BATCH // 2)] if cfg.oom else []
         events = [(e.kind, e.step, e.previous, e.micro_batch_size) for e in elastic.events]
         if elastic.micro_batch_size != want_micro or events != want_events:
@@ -255,90 +227,42 @@ def summarize_oom(clocks: dict[str, list[list[float]]], sizing: Sizing) -> dict[
 
 
 # ---------------------------------------------------------------------------------------------- attribution
-Call = tuple[float, float, float]  # (perf_counter at the start, CPU seconds of the calling thread, wall seconds)
-
-
-@contextlib.contextmanager
-def timed_calls(targets: list[tuple[Any, str, str]]) -> Iterator[dict[str, list[Call]]]:
-    """Wrap ``owner.name`` for each ``(owner, name, label)`` and record its calls under ``label``; restore after."""
-    calls: dict[str, list[Call]] = {label: [] for _, _, label in targets}
-    saved = []
-    for owner, name, label in targets:
-        original = owner.__dict__[name]
-        saved.append((owner, name, original))
-        setattr(owner, name, _timed(original, calls[label]))
-    try:
-        yield calls
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
-
-
-def _timed(fn: Any, sink: list[Call]) -> Any:
-    @functools.wraps(fn)  # keeps the signature: LogBuffer binds the arguments of the log function it wraps
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sink.append((start, time.thread_time() - cpu, time.perf_counter() - start))
-
-    return timed
-
-
-def per_step(calls: list[Call], marks: list[float], warmup: int, *, cpu: bool) -> dict[str, float]:
-    """Median over the timed steps of the time spent in ``calls`` started during the step, and calls per step."""
-    spent, count = [0.0] * len(marks), [0] * len(marks)
-    for start, cpu_s, wall_s in calls:
-        i = bisect.bisect_left(marks, start)
-        if i < len(marks):
-            spent[i] += cpu_s if cpu else wall_s
-            count[i] += 1
-    timed = range(warmup, len(marks))
-    return {"ms_per_step": 1e3 * median([spent[i] for i in timed]), "calls_per_step": median([count[i] for i in timed])}
-
-
 def attribute(sizing: Sizing, accelerator: str) -> dict[str, Any]:
-    """Where the callback's time goes, from extra runs that are not part of the table (CPU time of the thread)."""
-    from autotune import _logbuffer, _memory, _microbatch  # private: only to attribute the overhead
-
-    meter = "memory meter (MemoryMeter.start + peak)"
-    buffering = "log buffering (LogBuffer record + flush, incl. the model's own self.log)"
+    """Where the callback's time goes, from extra runs that are not part of the table (CPU time of the thread), with
+    public API only: the callback's hooks, ``LightningModule.log``, ``gc.collect`` (the OOM recovery's collection)
+    and ``ElasticBatchSize.update_snapshot_bytes``."""
     targets = [
-        (ElasticBatchSize, "on_train_batch_end", "callback metrics (on_train_batch_end: 4 self.log calls)"),
-        (_memory.UpdateSnapshot, "capture", "protect_update host snapshot (UpdateSnapshot.capture)"),
-        (_memory.MemoryMeter, "start", meter),
-        (_memory.MemoryMeter, "peak", meter),
-        (_memory.RNGState, "__init__", "RNG state capture (RNGState)"),
-        (_logbuffer.LogBuffer, "__call__", buffering),
-        (_logbuffer.LogBuffer, "flush", buffering),
+        (ElasticBatchSize, "on_train_batch_start", "callback hook on_train_batch_start (cuts the batch)"),
+        (ElasticBatchSize, "on_train_batch_end", "callback hook on_train_batch_end (metrics on logging steps)"),
     ]
     out: dict[str, Any] = {}
     with timed_calls(targets) as calls:
         timer, _ = fit_once(NO_SPLIT[1], steps=sizing.steps, accelerator=accelerator)
     out["per_step"] = {label: per_step(c, timer.marks, sizing.warmup, cpu=True) for label, c in calls.items()}
     with timed_calls([(LightningModule, "log", "log")]) as calls:
-        fit_once(PLAIN, steps=sizing.steps, accelerator=accelerator)
+        fit_once(PLAIN, steps=sizing.steps, accelerator=accelerator, log_every_step=True)
     out["log_call_ms"] = 1e3 * median([cpu_s for _, cpu_s, _ in calls["log"][sizing.warmup:]])
-    with timed_calls([(_microbatch, "release_memory", "release")]) as calls:
-        timer, _ = fit_once(OOM, steps=sizing.steps, accelerator=accelerator, oom_step=sizing.oom_step)
-    out["release_memory_ms"] = 1e3 * calls["release"][0][2]
-    out["release_memory_cpu_ms"] = 1e3 * calls["release"][0][1]
+    collected: list[int] = []
+    with timed_calls([(gc, "collect", "gc")], results=collected) as calls:
+        fit_once(OOM, steps=sizing.steps, accelerator=accelerator, oom_step=sizing.oom_step)
+    out["gc_calls"] = len(calls["gc"])
+    out["gc_ms"] = 1e3 * sum(wall for _, _, wall in calls["gc"])
+    out["gc_cpu_ms"] = 1e3 * sum(cpu for _, cpu, _ in calls["gc"])
+    out["gc_collected"] = sum(collected)
     out["gc_objects"] = len(gc.get_objects())
-    params = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=BLOCK, **MODEL).parameters())
-    out["snapshot_mib"] = 3 * 4 * params / 2**20  # fp32 parameters, exp_avg and exp_avg_sq
-    out["params"] = params
+    out["snapshot"] = {}
+    for name, cfg, sizes, block in (("example GPT", NO_SPLIT[1], MODEL, BLOCK),
+                                    ("state-bound GPT", STATE_NO_SPLIT[1], STATE_MODEL, STATE_BLOCK)):
+        timer, _ = fit_once(cfg, steps=sizing.warmup + 2, accelerator=accelerator)
+        params = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=block, **sizes).parameters())
+        out["snapshot"][name] = {"params": params, "first_mib": timer.snapshot_bytes[0] / 2**20,
+                                 "steady_max_bytes": max(timer.snapshot_bytes[1:])}
+    out["params"] = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=BLOCK, **MODEL).parameters())
     return out
 
 
 def ddp_targets() -> list[tuple[Any, str, str]]:
-    from autotune import _microbatch  # private: only to attribute the overhead
-
-    return [
-        (_microbatch.Agreement, "any", "OOM votes (Agreement.any: after each micro-batch and the update)"),
-        (_microbatch.Agreement, "average_gradients", "gradient all-reduce (Agreement.average_gradients)"),
-        (torch.distributed, "all_reduce", "torch.distributed.all_reduce calls (all of them)"),
-    ]
+    return [(torch.distributed, "all_reduce", "torch.distributed.all_reduce")]
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -401,10 +325,16 @@ def ddp_worker(name: str, out: Path, sizing: Sizing, device: str) -> None:
     if accelerator == "cpu":
         torch.set_num_threads(1)  # 2 processes on the cores there are; 1 thread each, as torchrun defaults to
     cfg = DDP[name]
-    with timed_calls(ddp_targets() if attribute_calls else []) as calls:
+    dtypes: list[torch.dtype] = []
+    with timed_calls(ddp_targets() if attribute_calls else []) as calls, all_reduce_dtypes(dtypes, attribute_calls):
         timer, _ = fit_once(cfg, steps=sizing.ddp_steps, accelerator=accelerator, strategy="ddp", devices=2)
     result: dict[str, Any] = {"config": name, "times_s": timer.times, "cpu_times_s": timer.cpu_times}
     if attribute_calls:
+        # The callback's votes reduce a float64 vector; gradients travel in the model's dtype (float32 here).
+        reduced = calls.pop("torch.distributed.all_reduce")
+        kinds = [dtype for dtype in dtypes]
+        calls["agreement votes (float64 all-reduces)"] = [c for c, d in zip(reduced, kinds) if d == torch.float64]
+        calls["gradient all-reduces (buckets)"] = [c for c, d in zip(reduced, kinds) if d != torch.float64]
         result["attribution"] = {label: per_step(c, timer.marks, sizing.ddp_warmup, cpu=False)
                                  for label, c in calls.items()}
         result["attribution"]["step"] = {"ms_per_step": 1e3 * median(timer.times[sizing.ddp_warmup:])}
@@ -456,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     raw["no_split"] = interleave(NO_SPLIT + [OOM], sizing, args.device)  # the OOM run has batch N too
     raw["oom"] = raw["no_split"].pop(OOM.name)
     results["no_split"] = summarize(raw["no_split"], sizing.warmup, PLAIN.name)
+    raw["state_no_split"] = interleave(STATE_NO_SPLIT, sizing, args.device)
+    results["state_no_split"] = summarize(raw["state_no_split"], sizing.warmup, STATE_PLAIN.name)
     raw["split"] = interleave(SPLIT_K, sizing, args.device)
     results["split"] = summarize(raw["split"], sizing.warmup, NATIVE.name)
     phases["single_process"] = time.perf_counter() - start
