@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -61,7 +61,7 @@ class ElasticBatchSize(Callback):
     """
 
     #: The strategy types supported, exactly: a subclass (DeepSpeed's and XLA's derive from DDP's) is refused.
-    SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+    SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
 
     def __init__(
         self,
@@ -139,6 +139,7 @@ class ElasticBatchSize(Callback):
             device=device,
             world_size=trainer.world_size,
             log_fn=pl_module.log,
+            sharded=isinstance(trainer.strategy, ModelParallelStrategy),
         )
         self.engine.logs.owner = pl_module
         if self._pending_state is not None:
@@ -197,13 +198,13 @@ class ElasticBatchSize(Callback):
 
         @functools.wraps(original_step)
         def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-            ddp_model = trainer.strategy.model if trainer.world_size > 1 else None
+            parallel_model = trainer.strategy.model if trainer.world_size > 1 else None
             return engine.run_training_step(
                 step=lambda closure: original_step(epoch, batch_idx, optimizer, closure),
                 closure=optimizer_closure,
                 optimizer=getattr(optimizer, "optimizer", optimizer),
                 module=pl_module,
-                ddp_model=ddp_model if hasattr(ddp_model, "no_sync") else None,
+                parallel_model=parallel_model,
                 scaler=getattr(trainer.precision_plugin, "scaler", None),
                 global_step=trainer.global_step,
             )
@@ -294,12 +295,21 @@ def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
 def _check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
     strategy = trainer.strategy
     if type(strategy) not in supported:
-        names = " or ".join(cls.__name__ for cls in supported)
+        names = ", ".join(cls.__name__ for cls in supported)
         raise MisconfigurationException(
-            f"ElasticBatchSize does not support {type(strategy).__name__}: it runs with {names} exactly (one device, "
-            "or strategy='ddp', 'ddp_spawn', 'ddp_fork'). FSDP, DeepSpeed, XLA and model-parallel strategies are not "
-            "supported yet; remove the callback or use one of these."
+            f"ElasticBatchSize does not support {type(strategy).__name__}: it runs with {names} exactly (one device; "
+            "strategy='ddp', 'ddp_spawn', 'ddp_fork'; FSDP2 through ModelParallelStrategy with data parallelism only). "
+            "Lightning's FSDPStrategy (FSDP1), DeepSpeed and XLA strategies are not supported; remove the callback or "
+            "use one of these."
         )
+    if isinstance(strategy, ModelParallelStrategy):
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel != 1:
+            raise MisconfigurationException(
+                f"ElasticBatchSize supports ModelParallelStrategy with data parallelism only (FSDP2), but "
+                f"tensor_parallel_size is {tensor_parallel}. Use ModelParallelStrategy(data_parallel_size=N, "
+                "tensor_parallel_size=1), or remove the callback."
+            )
 
 
 def _check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:

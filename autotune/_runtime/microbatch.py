@@ -11,7 +11,6 @@ gradient clipping are untouched.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
+from autotune._runtime.sync import gradient_sync
 from autotune._device.meter import MemoryMeter
 from autotune._runtime.state import (
     MetricStates,
@@ -69,6 +69,15 @@ _HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had ch
 _WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
                "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
                "raise the budget, or build the optimizer with foreach=False.")
+_DIFFERENT_SPLITS = (
+    "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers of "
+    "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler pads the "
+    "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
+_SHARDED_OOM = (
+    "Out of memory in the {phase} under FSDP2 (ModelParallelStrategy): ElasticBatchSize cannot replay it yet, since a "
+    "rank that fails inside forward or backward leaves the others waiting in a parameter all-gather; the run stops on "
+    "every rank. Start with a smaller micro-batch (ElasticBatchSize(micro_batch_size=...), `autotune estimate` "
+    "predicts what fits) or a plan that needs less memory.")
 _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 
@@ -114,10 +123,11 @@ class ElasticEngine:
         device: torch.device,
         world_size: int,
         log_fn: Callable[..., Any],
+        sharded: bool = False,
     ) -> None:
         self.micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
-        self.grow = grow
+        self.grow = grow and not sharded  # a failed grow is an OOM, which cannot be replayed under FSDP2 yet
         self.grow_wait = grow_after
         self.protect_update = protect_update
         self.budget_bytes = budget_bytes
@@ -129,6 +139,7 @@ class ElasticEngine:
         self.logs = LogBuffer(log_fn)
         self.meter = MemoryMeter(device)
         self.snapshot = UpdateSnapshot()
+        self.sharded = sharded  # FSDP2: the module's own reduce-scatter, no replay after an OOM (see _SHARDED_OOM)
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None
@@ -175,14 +186,19 @@ class ElasticEngine:
         closure: Callable[[], Any],
         optimizer: torch.optim.Optimizer,
         module: torch.nn.Module,
-        ddp_model: Any,
+        parallel_model: Any,
         scaler: Any,
         global_step: int,
     ) -> Any:
-        """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM."""
+        """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM.
+
+        ``parallel_model`` is the data-parallel wrapper (DDP's, or the FSDP2-sharded module) when there are several
+        ranks, else None."""
         n = self.batch_size
         if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
             return step(closure)
+        if self.sharded and self.agree.enabled:
+            self._check_same_split(n)  # FSDP2 gathers parameters in every forward: the ranks must run alike
         if self.micro_batch_size is None:
             self.micro_batch_size = n
         rng = RNGState()
@@ -197,11 +213,13 @@ class ElasticEngine:
             failed_in = ""
             cause: BaseException | None = None
             try:
-                result = step(self._multi_closure(closure, module, ddp_model, optimizer))
+                result = step(self._multi_closure(closure, module, parallel_model, optimizer))
             except BaseException as exc:
                 self.logs.discard()
                 if not (is_oom_error(exc) or isinstance(exc, PeerOutOfMemory)):
                     raise
+                if self.sharded and self.agree.enabled:
+                    raise OutOfMemoryAtMinimumError(_SHARDED_OOM.format(phase=self.phase)) from exc
                 failed_in = self.phase
                 if failed_in == "update":
                     self._check_replayable(optimizer, cause=exc)
@@ -244,7 +262,7 @@ class ElasticEngine:
         allocate the most and are the ones that run out of memory), else only a fingerprint of what it may change,
         so an OOM before any change replays without a copy. The same decision on every rank (same parameters, same
         state)."""
-        self.update_protected = self.protect_update and creates_state(optimizer)
+        self.update_protected = self.protect_update and not self.sharded and creates_state(optimizer)
         if self.update_protected:
             self.snapshot.capture(optimizer)
             self.snapshot.wait()
@@ -279,7 +297,7 @@ class ElasticEngine:
             self._metrics = MetricStates.find(module)
         return MetricStates(self._metrics)
 
-    def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, ddp_model: Any,
+    def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, parallel_model: Any,
                        optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         def run_micro_batches() -> Any:
             total = None
@@ -287,27 +305,37 @@ class ElasticEngine:
             for i in range(len(self.sizes)):
                 self.index = i
                 self.logs.n = self.sizes[i]
-                sync_off = ddp_model.no_sync() if self.agree.enabled and ddp_model is not None else contextlib.nullcontext()
+                # DDP: no reduction in any micro-batch (the gradients are averaged after the vote); FSDP2: the last
+                # micro-batch's backward reduce-scatters, as Lightning's own accumulation does.
+                last = self.sharded and i == len(self.sizes) - 1
+                model = parallel_model if self.agree.enabled else None
                 try:
-                    with sync_off:
+                    with gradient_sync(model, sync=last):
                         loss = closure()
                 except BaseException as exc:
-                    if not (self.agree.enabled and is_oom_error(exc)):
+                    if not (self.agree.enabled and not self.sharded and is_oom_error(exc)):
                         raise
                     failure = exc  # no collective in the micro-batches: bring the failure to the step's vote
                     break
                 if loss is not None:
                     total = loss if total is None else total + loss
             params = list(module.parameters())
-            if self.agree.enabled:
+            if self.agree.enabled and not self.sharded:
                 self._vote(params, failure)
-            self.agree.average_gradients(params, self._used)
+                self.agree.average_gradients(params, self._used)
             self._prepare_update(optimizer)
             self.phase = "update"
             _set_closure_loss(closure, total)
             return total
 
         return run_micro_batches
+
+    def _check_same_split(self, n: int) -> None:
+        """Every rank must run as many micro-batches (each forward gathers parameters): check it, together."""
+        count = len(split_sizes(n, min(self.micro_batch_size or n, n)))
+        most, least = self.agree.max(float(count), float(-count))
+        if most != -least:
+            raise RuntimeError(_DIFFERENT_SPLITS)
 
     def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None) -> None:
         """The step's one collective: did any rank run out of memory, do all split alike, which gradients to reduce."""
@@ -317,12 +345,7 @@ class ElasticEngine:
                 raise failure
             raise PeerOutOfMemory()
         if not same_split:
-            raise RuntimeError(
-                "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers "
-                "of micro-batches this step); every rank must see the same batch size (Lightning's "
-                "DistributedSampler pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom "
-                "sampler)."
-            )
+            raise RuntimeError(_DIFFERENT_SPLITS)
 
     def _shrink(self, micro: int) -> int | None:
         """The micro-batch to replay with after an OOM at ``micro``; None when nothing smaller is allowed."""

@@ -327,10 +327,9 @@ def test_a_handled_oom_is_warned_once_per_kind() -> None:
                     "ElasticBatchSize.events."]
 
 
-@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "XLAStrategy", "SingleDeviceXLAStrategy",
-                                  "ModelParallelStrategy"])
+@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "XLAStrategy", "SingleDeviceXLAStrategy"])
 @pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
-def test_setup_refuses_every_strategy_but_single_device_and_ddp_exactly(name: str, stage: str) -> None:
+def test_setup_refuses_every_strategy_but_single_device_ddp_and_fsdp2_exactly(name: str, stage: str) -> None:
     import lightning.pytorch.strategies as strategies
 
     cls = getattr(strategies, name)
@@ -339,7 +338,7 @@ def test_setup_refuses_every_strategy_but_single_device_and_ddp_exactly(name: st
     # and XLA's derive from DDPStrategy, XLA's single-device one from SingleDeviceStrategy: an exact check refuses them.
     t._accelerator_connector.strategy = cls.__new__(cls)
     with pytest.raises(MisconfigurationException, match=rf"ElasticBatchSize does not support {name}: it runs with "
-                       r"SingleDeviceStrategy or DDPStrategy exactly"):
+                       r"SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy exactly"):
         ElasticBatchSize().setup(t, ToyModel(), stage)
 
 

@@ -1,0 +1,57 @@
+"""Run by test_elastic_fsdp.py: 2 CPU ranks (gloo) under ModelParallelStrategy (FSDP2, data parallel only); each
+rank saves its gathered weights and what it saw."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from autotune.callbacks import ElasticBatchSize  # noqa: E402
+from tests.callbacks.toy import Fault, ToyModel, loader, trainer  # noqa: E402
+
+
+class ShardedToy(ToyModel):
+    """The toy model with each linear layer sharded, then the root (as one shards each block of a transformer)."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["elastic", "native"], required=True)
+    parser.add_argument("--where", default=None, help="forward | backward | step: an OOM there on --rank")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.mode == "elastic":
+        fault = Fault(args.where, limit=8, rank=args.rank) if args.where else None
+        model = ShardedToy(fault=fault)
+        callbacks, batch, accumulate = [ElasticBatchSize(grow=False, micro_batch_size=16)], 64, 1
+    else:
+        model, callbacks, batch, accumulate = ShardedToy(), [], 16, 4
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    t = trainer(callbacks, strategy=strategy, devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+    t.fit(model, loader(64 * 2 * 3, batch))
+    state = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for name, v in model.state_dict().items()}
+    torch.save({"state": state, "seen": [len(ids) for _, ids in model.seen], "global_step": t.global_step,
+                "ids": [i for _, ids in model.seen for i in ids], "lrs": model.lrs},
+               Path(args.out) / f"rank{t.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
