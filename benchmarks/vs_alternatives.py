@@ -52,11 +52,7 @@ if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
 
 from _common import (  # noqa: E402
     GPT_TARGET as GPT,
-)
-from _common import (
     HUNGRY_TARGET as HUNGRY,
-)
-from _common import (
     add_device,
     add_json,
     add_threads,
