@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from autotune.callbacks import ElasticBatchSize  # noqa: E402
+from autotune.callbacks import ApplyPlan, ElasticBatchSize  # noqa: E402
 from tests.callbacks.toy import Fault, ToyModel, loader, trainer  # noqa: E402
 
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--where", default=None, help="forward | backward | step: an OOM there on --rank")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--composed", action="store_true",
+                        help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.mode == "elastic":
@@ -44,7 +46,12 @@ def main() -> None:
     else:
         model, callbacks, batch, accumulate = ShardedToy(), [], 16, 4
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    t = trainer(callbacks, strategy=strategy, devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+    extra: dict = {}
+    if args.composed:
+        callbacks = [*callbacks, ApplyPlan(activation_checkpointing=["Linear"])]
+        extra["precision"] = "bf16-mixed"
+    t = trainer(callbacks, strategy=strategy, devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5,
+                **extra)
     t.fit(model, loader(64 * 2 * 3, batch))
     state = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for name, v in model.state_dict().items()}

@@ -30,9 +30,13 @@ def results(tmp: Path, proc: subprocess.CompletedProcess[str]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_micro_batches_under_fsdp2_match_native_accumulation(tmp_path: Path) -> None:
-    native = results(tmp_path / "native", run(tmp_path / "native", "--mode", "native"))
-    elastic = results(tmp_path / "elastic", run(tmp_path / "elastic", "--mode", "elastic"))
+@pytest.mark.parametrize("composed", [False, True], ids=["fp32", "bf16-mixed+checkpointing"])
+def test_micro_batches_under_fsdp2_match_native_accumulation(tmp_path: Path, composed: bool) -> None:
+    # Composed: bf16-mixed (Lightning's autocast) and ApplyPlan's activation checkpointing, applied at setup, before
+    # the model's configure_model shards it.
+    extra = ("--composed",) if composed else ()
+    native = results(tmp_path / "native", run(tmp_path / "native", "--mode", "native", *extra))
+    elastic = results(tmp_path / "elastic", run(tmp_path / "elastic", "--mode", "elastic", *extra))
     for r in range(2):
         assert elastic[r]["global_step"] == native[r]["global_step"] == 3
         assert elastic[r]["seen"] == native[r]["seen"] == [16] * 12
