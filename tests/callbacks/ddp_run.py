@@ -59,3 +59,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Gloo's worker threads can abort the interpreter's shutdown (SIGABRT, "terminate called without an active
+    # exception") while the process group is alive at exit: end it first (docs/troubleshooting.md).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
