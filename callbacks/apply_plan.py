@@ -13,13 +13,15 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
 from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
+from autotune._runtime.shard import shard_model
+from autotune._runtime.sync import fsdp_modules
 from autotune._compat import set_cuda_allocator_settings
 from autotune._plan.plan import Plan, Provenance
 
@@ -30,7 +32,12 @@ _ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 class ApplyPlan(Callback):
     """Apply a plan's model-side settings: activation checkpointing, activation and optimizer offload, compile,
-    allocator, data.
+    sharding (FSDP2), allocator, data.
+
+    Under ``ModelParallelStrategy`` (a plan's ``strategy: fsdp``) the model is sharded for you when it does not define
+    ``configure_model``: each repeated block, then the root (see docs/plan.md), after checkpointing and compile, with
+    FSDP2's bf16 mixed-precision policy when the trainer's precision is ``bf16-mixed``. A model that defines
+    ``configure_model`` keeps its own wrapping; ``reshard_after_forward=False`` is then applied to its FSDP2 modules.
 
     The plan's precision goes to ``Trainer(precision=...)`` and its micro-batch and budget to
     :class:`~autotune.callbacks.ElasticBatchSize`; :meth:`autotune.Plan.callbacks` and the tuned file set up both.
@@ -42,6 +49,10 @@ class ApplyPlan(Callback):
         optimizer_offload: run the optimizers from ``configure_optimizers`` with their state on the host and their
             update on the CPU (torchao's ``CPUOffloadOptimizer``, one CUDA GPU); LR schedulers keep working.
         compile: ``torch.compile`` each repeated block in place.
+        reshard_after_forward: under FSDP2, free each block's gathered parameters after its forward (ZeRO-3 style);
+            False keeps them until its backward (ZeRO-2 style).
+        cpu_offload: under FSDP2, keep parameters, gradients and optimizer state on the host (``CPUOffloadPolicy``;
+            CUDA only, with the automatic sharding).
         expandable_segments: turn the CUDA allocator's ``expandable_segments`` on at ``setup``, off at teardown.
         num_workers: set the DataModule's ``num_workers`` (None: leave it).
         pin_memory: set the DataModule's ``pin_memory`` (None: leave it).
@@ -62,6 +73,8 @@ class ApplyPlan(Callback):
         activation_offload: bool = False,
         optimizer_offload: bool = False,
         compile: bool = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
         expandable_segments: bool = False,
         num_workers: int | None = None,
         pin_memory: bool | None = None,
@@ -69,12 +82,14 @@ class ApplyPlan(Callback):
     ) -> None:
         settings = {"activation_checkpointing": activation_checkpointing, "activation_offload": activation_offload,
                     "optimizer_offload": optimizer_offload, "compile": compile,
+                    "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload,
                     "expandable_segments": expandable_segments, "num_workers": num_workers, "pin_memory": pin_memory}
         self.plan = Plan.from_dict(settings, provenance=Provenance.from_dict(provenance or {}))
         self._undo: list[Callable[[], None]] = []
         self._offload: ExitStack | None = None
         self.checkpointed: list[torch.nn.Module] = []
         self.compiled: list[torch.nn.Module] = []
+        self.sharded: list[torch.nn.Module] = []
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -92,6 +107,7 @@ class ApplyPlan(Callback):
                      type(self.checkpointed[0]).__name__ if self.checkpointed else "-")
         if plan.compile:
             self.compiled = compile_blocks(pl_module)
+        self._setup_sharding(trainer, pl_module)
         datamodule = trainer.datamodule
         for name in ("num_workers", "pin_memory"):
             value = getattr(plan, name)
@@ -104,6 +120,62 @@ class ApplyPlan(Callback):
             else:
                 rank_zero_warn(f"ApplyPlan: the plan sets {name}={value!r}, but the DataModule has no `{name}` "
                                "attribute; the setting is not applied.")
+
+    def _setup_sharding(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Give the model a ``configure_model`` that shards it (after checkpointing and compile, which Lightning
+        runs before it), or apply the plan on top of the model's own."""
+        plan = self.plan
+        strategy = trainer.strategy
+        settings = ", ".join(name for name, on in (("cpu_offload=True", plan.cpu_offload),
+                                                    ("reshard_after_forward=False", not plan.reshard_after_forward))
+                             if on)
+        if type(strategy) is not ModelParallelStrategy:
+            if settings:
+                raise MisconfigurationException(
+                    f"ApplyPlan({settings}) configures FSDP2 sharding, but the run uses {type(strategy).__name__}. "
+                    "Use ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) (a plan's strategy "
+                    "'fsdp'), or leave these settings at their defaults.")
+            return
+        if plan.cpu_offload and strategy.root_device.type != "cuda":
+            raise MisconfigurationException(
+                f"ApplyPlan(cpu_offload=True) keeps a GPU's parameters, gradients and optimizer state on the host, "
+                f"but this run is on {strategy.root_device.type}. Run on CUDA, or set cpu_offload=False.")
+        if type(pl_module).configure_model is not LightningModule.configure_model:
+            if plan.cpu_offload:
+                raise MisconfigurationException(
+                    f"ApplyPlan(cpu_offload=True) is chosen when a module is sharded, but {type(pl_module).__name__} "
+                    "shards itself in configure_model. Pass offload_policy=CPUOffloadPolicy() to its fully_shard "
+                    "calls, or remove configure_model and let ApplyPlan shard the model.")
+            if not plan.reshard_after_forward:
+                self._wrap_configure_model(pl_module)
+            return
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel != 1:
+            raise MisconfigurationException(
+                f"ApplyPlan shards the model with FSDP2 over the data-parallel ranks only, but ModelParallelStrategy "
+                f"has tensor_parallel_size={tensor_parallel}. Apply tensor parallelism in the model's configure_model, "
+                "or use tensor_parallel_size=1.")
+        param_dtype = torch.bfloat16 if trainer.precision == "bf16-mixed" else None
+
+        def configure_model() -> None:
+            self.sharded = shard_model(pl_module, mesh=pl_module.device_mesh["data_parallel"],
+                                       reshard_after_forward=plan.reshard_after_forward, param_dtype=param_dtype,
+                                       cpu_offload=plan.cpu_offload)
+
+        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        self._undo.append(lambda: vars(pl_module).pop("configure_model", None))
+
+    def _wrap_configure_model(self, pl_module: LightningModule) -> None:
+        own = pl_module.configure_model
+
+        def configure_model() -> None:
+            own()
+            self.sharded = fsdp_modules(pl_module)
+            for module in self.sharded:
+                module.set_reshard_after_forward(False, recurse=False)
+
+        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        self._undo.append(lambda: vars(pl_module).pop("configure_model", None))
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

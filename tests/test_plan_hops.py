@@ -11,6 +11,7 @@ import pytest
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from autotune import Plan, load_plan, load_space
 from autotune._plan.space import plan_from_params
@@ -18,8 +19,11 @@ from autotune._search.trial import TrialSpec
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
 # Every field set away from its default; optimizer offload runs on one device, so the DDP plan leaves it off and a
-# second plan sets it. The space writes the checkpointing fraction as 1 (an int) on purpose: it must become 1.0.
+# second plan sets it; the sharding fields need strategy fsdp (a third plan). The space writes the checkpointing
+# fraction as 1 (an int) on purpose: it must become 1.0. ``devices`` is the search's argument, not a space dimension.
 PLANS = {
+    "fsdp": dict(precision="bf16-mixed", strategy="fsdp", devices=2, reshard_after_forward=False, cpu_offload=True,
+                 micro_batch_size=8, activation_checkpointing=["Linear"], compile=True, num_workers=0),
     "ddp": dict(precision="bf16-mixed", strategy="ddp", micro_batch_size=4, activation_checkpointing=1,
                 activation_offload=True, optimizer_offload=False, compile=True, expandable_segments=True,
                 num_workers=2, pin_memory=False),
@@ -34,15 +38,18 @@ BUDGET = "2GiB"
 def test_plan_survives_every_hop(name: str, tmp_path: Path) -> None:
     choices = PLANS[name]
     expected = Plan(**choices, budget=BUDGET).to_dict()
-    assert expected["activation_checkpointing"] in (1.0, 0.5) and isinstance(expected["activation_checkpointing"], float)
+    ckpt = expected["activation_checkpointing"]
+    assert ckpt == ["Linear"] or (ckpt in (1.0, 0.5) and isinstance(ckpt, float))
 
     # 1. a space whose only point is the plan, asked through Optuna as the search asks
     space_file = tmp_path / "space.yaml"
-    space_file.write_text(yaml.safe_dump({"dimensions": {k: {"choices": [v]} for k, v in choices.items()}}))
+    dimensions = {k: {"choices": [v]} for k, v in choices.items() if k != "devices"}
+    space_file.write_text(yaml.safe_dump({"dimensions": dimensions}))
     space = load_space(space_file)
     trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
     params = space.suggest(trial)
-    from_space = plan_from_params(params, budget=BUDGET)
+    from_space = plan_from_params(params, budget=BUDGET, **({"devices": choices["devices"]} if "devices" in choices
+                                                            else {}))
     assert from_space.to_dict() == expected
 
     # 2. the trial: the spec crosses a process boundary (pickled) and the trial process reads the plan back
@@ -60,7 +67,14 @@ def test_plan_survives_every_hop(name: str, tmp_path: Path) -> None:
     [elastic] = [c for c in cli.trainer.callbacks if isinstance(c, ElasticBatchSize)]
     [apply] = [c for c in cli.trainer.callbacks if isinstance(c, ApplyPlan)]
     trainer_config = cli.config["trainer"]
-    from_callbacks = apply.plan.replace(precision=trainer_config["precision"], strategy=trainer_config["strategy"],
+    strategy = trainer_config["strategy"]
+    if not isinstance(strategy, str):  # a sharded plan's ModelParallelStrategy, data parallel over the plan's devices
+        assert isinstance(cli.trainer.strategy, ModelParallelStrategy) and cli.trainer.num_devices == 2
+        assert dict(strategy["init_args"])["data_parallel_size"] == 2 == trainer_config["devices"]
+        assert dict(strategy["init_args"])["tensor_parallel_size"] == 1
+        strategy = "fsdp"
+    from_callbacks = apply.plan.replace(precision=trainer_config["precision"], strategy=strategy,
+                                        devices=trainer_config["devices"] if strategy == "fsdp" else None,
                                         budget=str(elastic.budget), micro_batch_size=elastic.micro_batch_size)
     assert from_callbacks.to_dict() == expected
 

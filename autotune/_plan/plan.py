@@ -17,6 +17,7 @@ from autotune._plan.tuned import (
     APPLY,
     ELASTIC,
     FORMAT_VERSION,
+    MODEL_PARALLEL,
     PlanFileError,
     read_tuned_file,
     render_tuned_file,
@@ -28,9 +29,10 @@ if TYPE_CHECKING:
 
 #: Lightning precision strings a plan may choose.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
-#: Strategies a plan may choose ("auto": Lightning's choice for the devices; the elastic runtime supports DDP).
-STRATEGIES = ("auto", "ddp")
-_FLAGS = ("activation_offload", "optimizer_offload", "compile", "expandable_segments")
+#: Strategies a plan may choose ("auto": Lightning's choice for the devices, or the strategy the user configured;
+#: "ddp": every rank holds the whole model; "fsdp": FSDP2, ``fully_shard`` through Lightning's ModelParallelStrategy).
+STRATEGIES = ("auto", "ddp", "fsdp")
+_FLAGS = ("activation_offload", "optimizer_offload", "cpu_offload", "compile", "expandable_segments")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +119,15 @@ class Plan:
 
     Args:
         precision: a Lightning precision string (see ``PRECISIONS``); goes to ``Trainer(precision=...)``.
-        strategy: ``"auto"`` or ``"ddp"`` (see ``STRATEGIES``); goes to ``Trainer(strategy=...)``.
+        strategy: ``"auto"``, ``"ddp"`` or ``"fsdp"`` (see ``STRATEGIES``); goes to ``Trainer(strategy=...)``.
+            ``"fsdp"`` is FSDP2 through ``ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)``;
+            :class:`~autotune.callbacks.ApplyPlan` shards the model unless it defines ``configure_model``.
+        devices: the number of devices (ranks) on the node the plan runs with (None: the trainer's own). Required by
+            ``"fsdp"``, whose strategy needs the data-parallel size and whose per-rank memory depends on it.
+        reshard_after_forward: with ``"fsdp"``, free each block's gathered parameters after its forward (True: ZeRO-3
+            style) or keep them until its backward (False: ZeRO-2 style, more memory, one all-gather less per block).
+        cpu_offload: with ``"fsdp"``, keep the parameters, gradients and optimizer state on the host and run the update
+            there (FSDP2's ``CPUOffloadPolicy``; CUDA only).
         micro_batch_size: the micro-batch :class:`~autotune.callbacks.ElasticBatchSize` starts with (None: the
             whole batch).
         budget: the memory budget the run keeps (``"20GiB"``, ``0.8``, ``"auto"``; None: react to OOM only).
@@ -145,6 +155,9 @@ class Plan:
 
     precision: str = "32-true"
     strategy: str = "auto"
+    devices: int | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
     micro_batch_size: int | None = None
     budget: str | None = None
     activation_checkpointing: float | tuple[str, ...] = 0.0
@@ -214,11 +227,34 @@ class Plan:
 
     # ------------------------------------------------------------------------------------------------ use
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``Trainer`` (precision, strategy, and the accumulation the runtime requires)."""
+        """Keyword arguments for ``Trainer`` (precision, strategy, devices, and the accumulation the runtime requires).
+
+        ``"fsdp"`` gives a ``ModelParallelStrategy`` object (data parallel over ``devices`` ranks, no tensor
+        parallelism).
+
+        Raises:
+            ValueError: for ``"fsdp"`` without ``devices``.
+
+        Example:
+            >>> Plan(strategy="fsdp", devices=8).trainer_kwargs()["strategy"]  # doctest: +ELLIPSIS
+            <lightning.pytorch.strategies.model_parallel.ModelParallelStrategy object at ...>
+        """
         kwargs: dict[str, Any] = {"precision": self.precision, "accumulate_grad_batches": 1}
-        if self.strategy != "auto":
+        if self.strategy == "fsdp":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            kwargs["strategy"] = ModelParallelStrategy(**self._model_parallel_args())
+        elif self.strategy != "auto":
             kwargs["strategy"] = self.strategy
+        if self.devices is not None:
+            kwargs["devices"] = self.devices
         return kwargs
+
+    def _model_parallel_args(self) -> dict[str, Any]:
+        if self.devices is None:
+            raise ValueError("Plan(strategy='fsdp') needs devices=N, the ranks that share the model: its strategy is "
+                             "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)")
+        return {"data_parallel_size": self.devices, "tensor_parallel_size": 1}
 
     def callbacks(self) -> list[Callback]:
         """The callbacks that apply the plan: ``ElasticBatchSize`` and ``ApplyPlan``.
@@ -242,7 +278,8 @@ class Plan:
     def apply_kwargs(self) -> dict[str, Any]:
         """The ``ApplyPlan`` keyword arguments of this plan: the rest of its dict form, and its provenance."""
         data = self.to_dict()
-        for name in ("format_version", *self.trainer_kwargs(), "strategy", *self.elastic_kwargs()):
+        for name in ("format_version", "precision", "accumulate_grad_batches", "strategy", "devices",
+                     *self.elastic_kwargs()):
             data.pop(name, None)
         return {**data, "provenance": self.provenance.as_dict()}
 
@@ -259,8 +296,15 @@ class Plan:
         """The tuned file's content: a LightningCLI config whose trainer section applies the plan."""
         apply = self.apply_kwargs()
         apply["provenance"] = {"format_version": FORMAT_VERSION, **apply["provenance"]}
+        trainer = {"precision": self.precision, "accumulate_grad_batches": 1}
+        if self.strategy == "fsdp":
+            trainer["strategy"] = {"class_path": MODEL_PARALLEL, "init_args": self._model_parallel_args()}
+        elif self.strategy != "auto":
+            trainer["strategy"] = self.strategy
+        if self.devices is not None:
+            trainer["devices"] = self.devices
         return {"trainer": {
-            **self.trainer_kwargs(),
+            **trainer,
             "callbacks": [
                 {"class_path": ELASTIC, "init_args": self.elastic_kwargs()},
                 {"class_path": APPLY, "init_args": apply},
@@ -271,7 +315,8 @@ class Plan:
         """A one-line summary, e.g. ``bf16-mixed, micro 8, ckpt 0.5``."""
         parts = [self.precision, f"micro {self.micro_batch_size or 'all'}"]
         if self.strategy != "auto":
-            parts.insert(0, self.strategy)
+            sharding = "" if self.strategy != "fsdp" or self.reshard_after_forward else " (no reshard)"
+            parts.insert(0, f"{self.strategy}{sharding}" + (f" x{self.devices}" if self.devices else ""))
         ckpt = self.activation_checkpointing
         if ckpt:
             parts.append(f"ckpt {ckpt if not isinstance(ckpt, tuple) else '+'.join(ckpt)}")
@@ -296,6 +341,8 @@ def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
 
     check("precision", lambda v: isinstance(v, str) and v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
     check("strategy", lambda v: isinstance(v, str) and v in STRATEGIES, f"one of {', '.join(STRATEGIES)}")
+    check("devices", lambda v: v is None or (_is_int(v) and v >= 1), "a positive int or None")
+    check("reshard_after_forward", lambda v: isinstance(v, bool), "true or false")
     check("micro_batch_size", lambda v: v is None or (_is_int(v) and v >= 1), "a positive int or None")
     if fields.get("budget") is not None:
         try:
@@ -316,6 +363,14 @@ def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
     if fields.get("optimizer_offload") is True and fields.get("strategy", "auto") != "auto":
         problems.append(("optimizer_offload", "optimizer_offload runs on one GPU; it cannot be combined with strategy "
                                               f"{fields['strategy']!r}"))
+    if fields.get("strategy") == "ddp":  # "auto" may be a strategy the user configured: ApplyPlan checks at setup
+        for name, value in (("cpu_offload", True), ("reshard_after_forward", False)):
+            if fields.get(name) is value:
+                problems.append((name, f"{name}={value} configures FSDP2 sharding; it cannot be combined with "
+                                       "strategy 'ddp' (use strategy 'fsdp')"))
+    if fields.get("cpu_offload") is True and fields.get("optimizer_offload") is True:
+        problems.append(("cpu_offload", "cpu_offload (FSDP2, sharded) and optimizer_offload (torchao, one GPU) both move "
+                                        "the optimizer state to the host; choose one"))
     check("num_workers", lambda v: v is None or (_is_int(v) and v >= 0), "an int >= 0 or None")
     check("pin_memory", lambda v: v is None or isinstance(v, bool), "true, false or None")
     if "provenance" in fields and not isinstance(fields["provenance"], Provenance):

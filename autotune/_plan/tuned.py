@@ -20,14 +20,19 @@ FORMAT_VERSION = 1
 ELASTIC = "autotune.callbacks.ElasticBatchSize"
 APPLY = "autotune.callbacks.ApplyPlan"
 #: The trainer settings and ``ElasticBatchSize`` arguments that are plan settings (every ``ApplyPlan`` one is).
-TRAINER_SETTINGS = ("precision", "strategy")
+TRAINER_SETTINGS = ("precision", "strategy", "devices")
+#: The class path a sharded plan's strategy is written with (``strategy: fsdp`` in the plan's dict form).
+MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 ELASTIC_SETTINGS = ("budget", "micro_batch_size")
 _NAMESPACES = ("autotune.", "lightning.")
 
 _COMMENTS = {
     "precision": "numeric precision of weights/activations; *-mixed keeps fp32 weights, halves activations",
     "accumulate_grad_batches": "must stay 1: ElasticBatchSize does the accumulation",
-    "strategy": "data parallel: every rank runs the whole model on its share of the batch",
+    "strategy": "how ranks share the work: ddp replicates the model, ModelParallelStrategy (fsdp) shards it",
+    "devices": "ranks on this node the plan was tuned for (a sharded plan's memory per rank depends on it)",
+    "reshard_after_forward": "fsdp: free gathered parameters after each block's forward (ZeRO-3; false: ZeRO-2)",
+    "cpu_offload": "fsdp: parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)",
     "budget": "memory cap of the run (hard on CUDA, soft on CPU)",
     "micro_batch_size": "samples per forward/backward; the effective batch is the dataloader's",
     "activation_checkpointing": "share of repeated blocks recomputed in backward: less memory, more compute",
@@ -147,6 +152,8 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if name in trainer:
             fields[name] = trainer[name]
             where[name] = f"trainer.{name}"
+    if isinstance(fields.get("strategy"), dict):
+        fields["strategy"] = _sharded_strategy(fields["strategy"], trainer.get("devices"), problems)
     if trainer.get("accumulate_grad_batches", 1) != 1:
         problems.append(f"trainer.accumulate_grad_batches: must be 1; got {trainer['accumulate_grad_batches']!r}")
     callbacks = trainer.get("callbacks")
@@ -179,3 +186,20 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if required not in found:
             problems.append(f"trainer.callbacks: no {required} entry")
     return fields
+
+
+def _sharded_strategy(entry: dict[str, Any], devices: Any, problems: list[str]) -> Any:
+    """``"fsdp"`` for the ModelParallelStrategy entry a sharded plan writes (data parallel over ``devices``);
+    anything else is a problem (the entry is returned as is, so the plan's check names it too)."""
+    args = entry.get("init_args") or {}
+    if entry.get("class_path") != MODEL_PARALLEL or not isinstance(args, dict):
+        problems.append(f"trainer.strategy: a plan's strategy mapping must be class_path {MODEL_PARALLEL} with "
+                        f"init_args; got {entry!r}")
+        return None
+    if args.get("tensor_parallel_size") != 1:
+        problems.append("trainer.strategy.init_args.tensor_parallel_size: must be 1 (a plan shards with FSDP2, data "
+                        f"parallel only); got {args.get('tensor_parallel_size')!r}")
+    if args.get("data_parallel_size") != devices:
+        problems.append(f"trainer.strategy.init_args.data_parallel_size: must equal trainer.devices ({devices!r}); "
+                        f"got {args.get('data_parallel_size')!r}")
+    return "fsdp"

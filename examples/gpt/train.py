@@ -56,3 +56,7 @@ def main(args: list[str] | None = None) -> LightningCLI:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # several ranks on CPU (gloo): end the group before exit (docs/troubleshooting.md)
+        dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Run by test_elastic_fsdp.py: 2 CPU ranks (gloo) under ModelParallelStrategy (FSDP2, data parallel only); each
-rank saves its gathered weights and what it saw."""
+rank saves its gathered weights and what it saw. ``--gpt``: the GPT example, sharded by ApplyPlan (no
+configure_model), each rank also saves how many elements of each parameter it holds."""
 
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--composed", action="store_true",
                         help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
+    parser.add_argument("--gpt", action="store_true", help="the GPT example, sharded by ApplyPlan")
+    parser.add_argument("--reshard", choices=["true", "false"], default="true", help="--gpt: reshard_after_forward")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.gpt:
+        return gpt(args)
     if args.mode == "elastic":
         fault = Fault(args.where, limit=8, rank=args.rank) if args.where else None
         model = ShardedToy(fault=fault)
@@ -57,6 +62,28 @@ def main() -> None:
              for name, v in model.state_dict().items()}
     torch.save({"state": state, "seen": [len(ids) for _, ids in model.seen], "global_step": t.global_step,
                 "ids": [i for _, ids in model.seen for i in ids], "lrs": model.lrs},
+               Path(args.out) / f"rank{t.global_rank}.pt")
+
+
+def gpt(args: argparse.Namespace) -> None:
+    from examples.gpt.data import SyntheticTokens
+    from examples.gpt.model import GPT
+
+    model = GPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, warmup_steps=2)
+    elastic = args.mode == "elastic"
+    data = SyntheticTokens(vocab_size=64, block_size=16, batch_size=32 if elastic else 8, num_samples=32 * 2 * 3)
+    apply = ApplyPlan(activation_checkpointing=0.5 if args.composed else 0.0,
+                      reshard_after_forward=args.reshard == "true")
+    callbacks = [apply, *([ElasticBatchSize(grow=False, micro_batch_size=8)] if elastic else [])]
+    t = trainer(callbacks, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), devices=2,
+                accumulate_grad_batches=1 if elastic else 4, gradient_clip_val=1.0, max_epochs=1,
+                precision="bf16-mixed" if args.composed else "32-true")
+    t.fit(model, datamodule=data)
+    state = {name: v.full_tensor().detach().clone() for name, v in model.state_dict().items()}
+    local = {name: (p.to_local().numel(), p.numel()) for name, p in model.named_parameters()}
+    torch.save({"state": state, "local": local, "global_step": t.global_step,
+                "sharded": [type(m).__name__ for m in apply.sharded],
+                "param_dtype": str(next(iter(apply.sharded[0].parameters())).dtype)},
                Path(args.out) / f"rank{t.global_rank}.pt")
 
 
