@@ -28,7 +28,7 @@ def build_search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per trial (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per trial first (default 3)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
-    parser.add_argument("--devices", type=int, default=1, help="devices per trial, for DDP spaces (default 1)")
+    parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per trial, for multi-device spaces: DDP, FSDP2 (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 

@@ -112,8 +112,8 @@ def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int) -
                 return "the transformer_engine package is not installed"
             if not cuda or torch.cuda.get_device_capability(device) < (8, 9):
                 return "FP8 needs a GPU of compute capability 8.9 or newer"
-    if not cuda and choice is True and name in ("activation_offload", "optimizer_offload", "expandable_segments",
-                                                "pin_memory"):
+    if not cuda and choice is True and name in ("activation_offload", "optimizer_offload", "cpu_offload",
+                                                "expandable_segments", "pin_memory"):
         return "it only has an effect on CUDA"
     if name == "optimizer_offload" and choice is True and importlib.util.find_spec("torchao") is None:
         return "the torchao package is not installed (pip install 'lightning-autotune[offload]')"

@@ -85,7 +85,7 @@ def search(
         steps: timed optimizer steps per trial.
         warmup: untimed optimizer steps first.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
-        devices: devices per trial (DDP spaces).
+        devices: devices (ranks) per trial, for the multi-device spaces (DDP, FSDP2); a sharded plan records it.
         trial_timeout: seconds before a trial is stopped and recorded as failed.
         callbacks: Optuna callbacks ``f(study, trial)`` (the CLI's progress display is one).
         command: the command line, for the tuned file's provenance.
@@ -153,6 +153,7 @@ def search(
         best = _choose(the_study, runner, budget_bytes, parsed_budget)
         plan = plan_from_params(
             best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
+            **sharded_devices(best.params, devices),
             provenance=Provenance.here(
                 budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
                 samples_per_second=best.user_attrs.get("samples_per_second"),
@@ -166,6 +167,11 @@ def search(
         return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
     finally:
         optuna.logging.set_verbosity(verbosity)
+
+
+def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
+    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
+    return {"devices": devices} if params.get("strategy") == "fsdp" else {}
 
 
 def _finished_states() -> tuple[Any, ...]:
@@ -282,7 +288,7 @@ class _Objective:
         if micro == AUTO:
             micro = self._auto_micro(params)
             trial.set_user_attr("auto_micro_batch_size", micro)
-        plan = plan_from_params(params, micro_batch_size=micro)
+        plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, self.devices))
         trial.set_user_attr("micro_batch_size", plan.micro_batch_size)
         trial.set_user_attr("plan", plan.describe())
         trial.set_user_attr("plan_key", plan.key())
@@ -350,12 +356,14 @@ class _Objective:
         return EARLY_STOP_SHARE * feasible[1] if len(feasible) >= 2 else None
 
     def _predict(self, plan: Plan) -> int | None:
+        if plan.strategy == "fsdp":
+            return None  # the estimator counts a sharded plan's state as replicated: no rejection on its word
         return self.estimator.peak(plan)
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
         key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
         if key not in self._auto_cache:
-            plan = plan_from_params(params, micro_batch_size=None)
+            plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
             self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
         return self._auto_cache[key]
 
@@ -386,7 +394,8 @@ def _choose(study: Any, runner: _Objective, budget_bytes: int, budget: Budget) -
     for t in top:
         runs = remeasured.get(str(t.number))
         if runs is None:
-            again = runner.remeasure(plan_from_params(t.params, micro_batch_size=t.user_attrs.get("micro_batch_size")))
+            again = runner.remeasure(plan_from_params(t.params, micro_batch_size=t.user_attrs.get("micro_batch_size"),
+                                                      **sharded_devices(t.params, runner.devices)))
             fits = again.status == "ok" and (again.peak_bytes or 0) <= budget_bytes
             runs = [again.samples_per_second if fits else 0.0]
             remeasured[str(t.number)] = runs

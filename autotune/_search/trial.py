@@ -230,10 +230,7 @@ def _failure(exc: BaseException) -> tuple[bool, str]:
 
 
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
-    import lightning as L
-
     from autotune._target.target import load_target
-    from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
     plan = spec.memory_plan()
     if plan.expandable_segments:  # before anything touches CUDA in this fresh process
@@ -243,11 +240,55 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     meter = _Meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(), launched=launched,
                    out=out)
     micro = plan.micro_batch_size or batch_size
+    if plan.strategy == "fsdp":
+        plan = plan.replace(devices=spec.devices)
     kwargs = plan.trainer_kwargs()
+    kwargs.pop("devices", None)  # the trial's devices decide
     if kwargs.get("strategy") == "ddp":
         kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
     clip = target.trainer_config.get("gradient_clip_val")
-    trainer = L.Trainer(
+
+    def fit() -> None:
+        trainer = _trainer(spec, plan, kwargs, meter, micro, clip)
+        trainer.fit(target.model, datamodule=target.datamodule)
+
+    if plan.strategy == "fsdp" and spec.devices > 1:
+        _start_ranks(spec.devices, fit)
+    else:
+        fit()
+
+
+def _start_ranks(count: int, fit: Any) -> None:
+    """Run ``fit`` in ``count`` forked rank processes, started the way torchrun starts them (rank variables in the
+    environment): ModelParallelStrategy has no fork launcher, and its own launcher would re-run the search command.
+    The model was built before the fork, so every rank starts from the same weights. A rank's failure is raised here
+    as torch's ``ProcessRaisedException`` (see :func:`_failure`)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def rank_main(rank: int) -> None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(count), RANK=str(rank),
+                          LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(count))
+        fit()
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a live gloo group can abort the rank's exit (docs/troubleshooting.md)
+            dist.destroy_process_group()
+
+    mp.start_processes(rank_main, nprocs=count, start_method="fork")
+
+
+def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, micro: int, clip: Any) -> Any:
+    import lightning as L
+
+    from autotune.callbacks import ApplyPlan, ElasticBatchSize
+
+    return L.Trainer(
         accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
         devices=spec.devices,
         max_steps=spec.warmup + spec.steps,
@@ -265,7 +306,6 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
         ],
         **kwargs,
     )
-    trainer.fit(target.model, datamodule=target.datamodule)
 
 
 class _Meter:

@@ -78,12 +78,14 @@ def gpt(args: argparse.Namespace) -> None:
     t = trainer(callbacks, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), devices=2,
                 accumulate_grad_batches=1 if elastic else 4, gradient_clip_val=1.0, max_epochs=1,
                 precision="bf16-mixed" if args.composed else "32-true")
+    gathered: list[str] = []  # the dtype a block's layer sees in forward (after FSDP2 gathered its parameters)
+    model.blocks[0].qkv.register_forward_hook(lambda m, i, o: gathered.append(str(m.weight.dtype)))
     t.fit(model, datamodule=data)
     state = {name: v.full_tensor().detach().clone() for name, v in model.state_dict().items()}
     local = {name: (p.to_local().numel(), p.numel()) for name, p in model.named_parameters()}
     torch.save({"state": state, "local": local, "global_step": t.global_step,
                 "sharded": [type(m).__name__ for m in apply.sharded],
-                "param_dtype": str(next(iter(apply.sharded[0].parameters())).dtype)},
+                "gathered_dtype": gathered[0]},
                Path(args.out) / f"rank{t.global_rank}.pt")
 
 

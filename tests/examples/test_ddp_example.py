@@ -117,28 +117,32 @@ def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[
 
 
 @pytest.mark.slow
-def test_search_on_two_ranks_writes_a_ddp_plan(searched: tuple[int, Path, list[Any]]) -> None:
+def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Path, list[Any]]) -> None:
     code, out, trials = searched
     assert code == 0
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(finished) == 2 and not [t for t in trials if t.state == TrialState.FAIL]
-    seed = finished[0]  # the multi_gpu space's seed is tried first
-    assert seed.state == TrialState.COMPLETE and seed.user_attrs["status"] == "ok"
-    assert (seed.params["strategy"], seed.params["precision"], seed.params["micro_batch_size"]) == \
-        ("ddp", "bf16-mixed", "auto")
+    # the multi_gpu space's seeds are tried first: DDP, then FSDP2 sharding (ZeRO-3 style) on the same 2 ranks
+    for seed, strategy, label in zip(finished, ("ddp", "fsdp"), ("ddp, ", "fsdp x2, ")):
+        assert seed.state == TrialState.COMPLETE and seed.user_attrs["status"] == "ok"
+        assert (seed.params["strategy"], seed.params["precision"], seed.params["micro_batch_size"]) == \
+            (strategy, "bf16-mixed", "auto")
+        assert seed.user_attrs["plan"].startswith(label)
     for t in finished:
-        assert t.params["strategy"] == "ddp" and t.user_attrs["plan"].startswith("ddp, ")
         assert t.user_attrs["source"] == "measured" and t.user_attrs["status"] in ("ok", "pruned")
         assert t.user_attrs["samples_per_second"] > 0 and t.user_attrs["steps_timed"] >= 1
         assert 0 < t.user_attrs["peak_bytes"] < 2 * 2**30  # the larger rank's peak RSS, under the budget
 
     plan = load_plan(out)
-    assert plan.strategy == "ddp" and plan.budget == "2GiB"
+    assert plan.strategy in ("ddp", "fsdp") and plan.budget == "2GiB"
+    assert plan.devices == (2 if plan.strategy == "fsdp" else None)
     assert plan.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
     assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
     assert plan.provenance.produced_by.startswith("search (study 'ddp'")
     tuned = yaml.safe_load(out.read_text())
-    assert tuned["trainer"]["strategy"] == "ddp" and tuned["trainer"]["accumulate_grad_batches"] == 1
+    assert tuned["trainer"]["accumulate_grad_batches"] == 1
+    assert tuned["trainer"]["strategy"] == "ddp" if plan.strategy == "ddp" else \
+        tuned["trainer"]["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
 
 
 @pytest.mark.slow
