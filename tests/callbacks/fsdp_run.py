@@ -5,6 +5,7 @@ configure_model), each rank also saves how many elements of each parameter it ho
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -95,3 +96,6 @@ if __name__ == "__main__":
     # exception") while the process group is alive at exit: end it first (docs/troubleshooting.md).
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # and skip C++ static destructors, where the abort still struck once with the group ended

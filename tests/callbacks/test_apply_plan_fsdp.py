@@ -64,8 +64,7 @@ def test_tuned_file_with_strategy_fsdp_trains_through_lightning_cli(tmp_path: Pa
          str(ROOT / "examples" / "gpt" / "config.yaml"), "--config", str(tuned), "--trainer.max_steps=2",
          "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Starting with 2 processes" in proc.stderr and "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stderr
+    assert_fit_finished(proc, steps=2)
 
 
 @pytest.mark.slow
@@ -75,8 +74,17 @@ def test_the_fsdp_example_config_trains_on_two_cpu_ranks(tmp_path: Path) -> None
          str(ROOT / "examples" / "gpt" / "config.yaml"), "--config", str(ROOT / "examples" / "gpt" / "fsdp.yaml"),
          "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Starting with 2 processes" in proc.stderr and "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stderr
+    assert_fit_finished(proc, steps=3)
+
+
+def assert_fit_finished(proc: subprocess.CompletedProcess[str], *, steps: int) -> None:
+    """Both ranks ran and fit ended at ``steps``. A SIGABRT after that, in gloo's C++ destructors at interpreter exit
+    ("terminate called without an active exception": PyTorch's, pytorch/pytorch#179291, docs/troubleshooting.md) is
+    not the run's failure; any other non-zero exit is."""
+    assert "Starting with 2 processes" in proc.stderr, proc.stderr[-3000:]
+    assert f"`Trainer.fit` stopped: `max_steps={steps}` reached" in proc.stderr, proc.stderr[-3000:]
+    exit_abort = proc.returncode == -6 and proc.stderr.rstrip().endswith("terminate called without an active exception")
+    assert proc.returncode == 0 or exit_abort, proc.stderr[-3000:]
 
 
 def test_sharding_units_take_the_child_that_holds_the_network() -> None:
