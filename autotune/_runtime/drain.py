@@ -170,7 +170,7 @@ class CollectiveDrain:
         self._attempt += 1
         self._seq = 0
         self._publish = publish
-        if publish and self._store is None:
+        if publish:
             self._store = dist.PrefixStore("autotune/drain/", default_store())
         return most == -least
 
@@ -263,6 +263,9 @@ class CollectiveDrain:
         if self._publish and self._store is not None:
             for seq in range(self._seq + 1):
                 self._store.delete_key(self._key(dist.get_rank(), seq))
+        # Hold no store or group past the attempt: a reference alive at interpreter exit, after the process group
+        # was destroyed, can abort the shutdown of gloo's threads.
+        self._store, self._groups = None, {}
         self._publish = False
         self._issued = []
 

@@ -5,6 +5,7 @@ configure_model), each rank also saves how many elements of each parameter it ho
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -112,4 +113,5 @@ if __name__ == "__main__":
     # Gloo's worker threads can abort the interpreter's shutdown (SIGABRT, "terminate called without an active
     # exception") while the process group is alive at exit: end it first (docs/troubleshooting.md).
     if torch.distributed.is_initialized():
+        gc.collect()  # collect cycles that hold gloo work (a replayed attempt's frames) while the group is alive
         torch.distributed.destroy_process_group()
