@@ -110,6 +110,62 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     torch.cuda.memory._dump_snapshot(path)
 
 
+def fsdp_comms(module: Any) -> tuple[Any, Any] | None:
+    """The all-gather and reduce-scatter an FSDP2 unit issues its collectives through (``FSDPParamGroup.
+    _all_gather_comm`` / ``_reduce_scatter_comm`` of its ``_get_fsdp_state()._fsdp_param_groups``), or None for a
+    unit without parameters. ``ElasticBatchSize`` wraps them to record each call (the public setters
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` install the wrappers; torch has no public getter), so
+    a communication the user installed keeps doing the work. If these moved, FSDP2 runs would fail at their first
+    step with an AttributeError, and OOMs under FSDP2 could not be replayed."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if not groups:
+        return None
+    return groups[0]._all_gather_comm, groups[0]._reduce_scatter_comm
+
+
+def fsdp_is_root(module: Any) -> bool:
+    """Whether an FSDP2 unit is a root (``_get_fsdp_state()._is_root``: set at the first forward, True for the units
+    forwarded first, which need not be the outermost: a LightningModule whose ``training_step`` calls a submodule is
+    never forwarded). Public ``reset_iter_state()`` must be called on exactly these; torch has no public test. If it
+    went away, the FSDP2 replay would fail at its first OOM with an AttributeError."""
+    return module._get_fsdp_state()._is_root is True
+
+
+def clear_fsdp_unsharded_grads(module: Any) -> None:
+    """Drop the gradients an FSDP2 unit accumulated unsharded under ``set_requires_gradient_sync(False)``
+    (``FSDPParam._unsharded_param.grad`` and ``FSDPParam.unsharded_accumulated_grad``, the latter when the reduce
+    dtype differs from the parameter dtype). Public ``reset_iter_state()`` resets the iteration but keeps them, and
+    ``zero_grad`` only reaches the sharded gradients. If they moved, a step replayed after an OOM would add the
+    failed attempt's micro-batches to its gradients (the FSDP2 replay tests compare weights with Lightning's
+    accumulation and would fail)."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)  # absent before the first all-gather
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (``torch.distributed.distributed_c10d.
+    _get_default_store``; the store ``init_process_group`` rendezvoused with). ``ElasticBatchSize`` publishes
+    FSDP2 collectives there for a failing rank to follow. A new ``TCPStore`` is not made instead: it would need a
+    free port agreed by all ranks. If it went away, an OOM in an FSDP2 step whose collective schedule is not yet
+    known (the first step) would fail instead of replaying."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def process_group_named(name: str) -> Any:
+    """The process group whose ``group_name`` is ``name`` (``torch.distributed.distributed_c10d.
+    _resolve_process_group``, how torch's functional collectives find a group by name). If it went away, a rank
+    following a peer's FSDP2 collectives through a group it had not used yet in the step would fail."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def outside_dispatch_modes() -> Any:
     """A context where no Python dispatch mode (fake tensors, the estimator's memory tracker) is active, so real
     tensors can be made and real kernels run (``torch.utils._python_dispatch._disable_current_modes``). If it went

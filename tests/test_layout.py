@@ -145,6 +145,8 @@ UPSTREAM_PRIVATE_NAMES = frozenset({
     "_version", "_cdata", "_parameters", "_buffers", "_post_accumulate_grad_hooks", "_BatchNorm", "_opt_called",
     "_per_optimizer_states", "_set_allocator_settings", "_record_memory_history", "_dump_snapshot",
     "_disable_current_modes", "_C", "_select_conv_backend", "_subclasses", "_tools", "_MemRefType",
+    "_get_fsdp_state", "_fsdp_param_groups", "_all_gather_comm", "_reduce_scatter_comm", "_unsharded_param",
+    "_get_default_store", "_resolve_process_group", "_is_root",
     # Lightning
     "_apply_batch_transfer_handler", "_logger_connector", "_current_fx_name", "_result", "_trainer",
     "_configure_optimizers", "_desired_input_dtype", "_DeviceDtypeModuleMixin", "_device", "_dtype",

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autotune._compat import closure_result, forget_scaler_steps, set_closure_result
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
+from autotune._runtime.drain import CollectiveDrain
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
@@ -73,11 +74,6 @@ _DIFFERENT_SPLITS = (
     "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers of "
     "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler pads the "
     "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
-_SHARDED_OOM = (
-    "Out of memory in the {phase} under FSDP2 (ModelParallelStrategy): ElasticBatchSize cannot replay it yet, since a "
-    "rank that fails inside forward or backward leaves the others waiting in a parameter all-gather; the run stops on "
-    "every rank. Start with a smaller micro-batch (ElasticBatchSize(micro_batch_size=...), `autotune estimate` "
-    "predicts what fits) or a plan that needs less memory.")
 _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 
@@ -127,7 +123,7 @@ class ElasticEngine:
     ) -> None:
         self.micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
-        self.grow = grow and not sharded  # a failed grow is an OOM, which cannot be replayed under FSDP2 yet
+        self.grow = grow
         self.grow_wait = grow_after
         self.protect_update = protect_update
         self.budget_bytes = budget_bytes
@@ -139,7 +135,8 @@ class ElasticEngine:
         self.logs = LogBuffer(log_fn)
         self.meter = MemoryMeter(device)
         self.snapshot = UpdateSnapshot()
-        self.sharded = sharded  # FSDP2: the module's own reduce-scatter, no replay after an OOM (see _SHARDED_OOM)
+        self.sharded = sharded  # FSDP2: the module's own reduce-scatter; an OOM is drained, voted and replayed
+        self.drain = CollectiveDrain() if sharded else None
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None
@@ -197,8 +194,8 @@ class ElasticEngine:
         n = self.batch_size
         if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
             return step(closure)
-        if self.sharded and self.agree.enabled:
-            self._check_same_split(n)  # FSDP2 gathers parameters in every forward: the ranks must run alike
+        if self.drain is not None:
+            self.drain.install(module)
         if self.micro_batch_size is None:
             self.micro_batch_size = n
         rng = RNGState()
@@ -208,6 +205,9 @@ class ElasticEngine:
         while True:
             micro = min(self.micro_batch_size, n)
             self.sizes = split_sizes(n, micro)
+            if self.drain is not None and self.agree.enabled and not self.drain.start_attempt(self.agree,
+                                                                                              len(self.sizes)):
+                raise RuntimeError(_DIFFERENT_SPLITS)  # each FSDP2 forward gathers parameters: ranks must run alike
             self.phase = "closure"
             self.logs.start()
             failed_in = ""
@@ -218,8 +218,8 @@ class ElasticEngine:
                 self.logs.discard()
                 if not (is_oom_error(exc) or isinstance(exc, PeerOutOfMemory)):
                     raise
-                if self.sharded and self.agree.enabled:
-                    raise OutOfMemoryAtMinimumError(_SHARDED_OOM.format(phase=self.phase)) from exc
+                if self.drain is not None and self.drain.unsupported and self.agree.enabled:
+                    raise OutOfMemoryAtMinimumError(self.drain.unsupported_error()) from exc
                 failed_in = self.phase
                 if failed_in == "update":
                     self._check_replayable(optimizer, cause=exc)
@@ -237,6 +237,8 @@ class ElasticEngine:
                 break
             # Recover outside the except block: its traceback holds the frames of the failed attempt.
             del cause
+            if self.drain is not None:
+                self.drain.reset(optimizer)  # FSDP2's iteration state and unsharded gradients, on every rank
             optimizer.zero_grad(set_to_none=True)
             release_memory(module.parameters(), self.device, static_bytes=static)
             if failed_in == "update" and self.update_protected:
@@ -262,7 +264,7 @@ class ElasticEngine:
         allocate the most and are the ones that run out of memory), else only a fingerprint of what it may change,
         so an OOM before any change replays without a copy. The same decision on every rank (same parameters, same
         state)."""
-        self.update_protected = self.protect_update and not self.sharded and creates_state(optimizer)
+        self.update_protected = self.protect_update and creates_state(optimizer)
         if self.update_protected:
             self.snapshot.capture(optimizer)
             self.snapshot.wait()
@@ -299,6 +301,8 @@ class ElasticEngine:
 
     def _multi_closure(self, closure: Callable[[], Any], module: torch.nn.Module, parallel_model: Any,
                        optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        drain = self.drain if self.agree.enabled and self.sharded else None
+
         def run_micro_batches() -> Any:
             total = None
             failure: BaseException | None = None
@@ -309,17 +313,27 @@ class ElasticEngine:
                 # micro-batch's backward reduce-scatters, as Lightning's own accumulation does.
                 last = self.sharded and i == len(self.sizes) - 1
                 model = parallel_model if self.agree.enabled else None
+                if drain is not None:
+                    drain.begin(i)
                 try:
                     with gradient_sync(model, sync=last):
                         loss = closure()
                 except BaseException as exc:
-                    if not (self.agree.enabled and not self.sharded and is_oom_error(exc)):
+                    if not (self.agree.enabled and is_oom_error(exc) and not (drain and drain.unsupported)):
                         raise
-                    failure = exc  # no collective in the micro-batches: bring the failure to the step's vote
+                    # DDP: no collective in the micro-batches, bring the failure to the step's vote. FSDP2: drain
+                    # first, without the traceback (its frames hold the failed attempt's activations).
+                    failure = exc if drain is None else exc.with_traceback(None)
+                    if drain is not None:
+                        drain.failed(i)
                     break
+                if drain is not None:
+                    drain.end()
                 if loss is not None:
                     total = loss if total is None else total + loss
             params = list(module.parameters())
+            if drain is not None and drain.vote(self.agree, failure is not None, optimizer, self.device):
+                raise failure if failure is not None else PeerOutOfMemory()
             if self.agree.enabled and not self.sharded:
                 self._vote(params, failure)
                 self.agree.average_gradients(params, self._used)
@@ -329,13 +343,6 @@ class ElasticEngine:
             return total
 
         return run_micro_batches
-
-    def _check_same_split(self, n: int) -> None:
-        """Every rank must run as many micro-batches (each forward gathers parameters): check it, together."""
-        count = len(split_sizes(n, min(self.micro_batch_size or n, n)))
-        most, least = self.agree.max(float(count), float(-count))
-        if most != -least:
-            raise RuntimeError(_DIFFERENT_SPLITS)
 
     def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None) -> None:
         """The step's one collective: did any rank run out of memory, do all split alike, which gradients to reduce."""

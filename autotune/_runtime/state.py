@@ -73,11 +73,13 @@ class UpdateSnapshot:
         self._buffers: dict[tuple[int, str], Tensor] = {}
         self._params: list[tuple[Tensor, Tensor]] = []
         self._state: dict[Tensor, dict[str, Any]] = {}
+        self._layouts: dict[tuple[int, str], Any] = {}  # a DTensor state's mesh, placements, shape and stride
         self._groups: list[dict[str, Any]] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._stream: Any = None
 
     def _host_copy(self, tensor: Tensor, key: tuple[int, str]) -> Tensor:
+        tensor = _local(tensor)  # a DTensor (FSDP2): this rank's shard
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = tensor.is_cuda
@@ -99,11 +101,13 @@ class UpdateSnapshot:
             ctx = contextlib.nullcontext()
         with ctx:
             self._params = [(p, self._host_copy(p, (id(p), "param"))) for p in params]
-            self._state = {}
+            self._state, self._layouts = {}, {}
             for p, state in optimizer.state.items():
                 saved: dict[str, Any] = {}
                 for k, v in state.items():
                     saved[k] = self._host_copy(v, (id(p), k)) if isinstance(v, Tensor) else _copy_value(v)
+                    if _is_dtensor(v):
+                        self._layouts[(id(p), k)] = (v.device_mesh, v.placements, v.shape, v.stride())
                 self._state[p] = saved
         self._groups = [{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self._optimizer = optimizer
@@ -116,7 +120,7 @@ class UpdateSnapshot:
     def release(self) -> None:
         """Free the host buffers (the next :meth:`capture` allocates them again)."""
         self.wait()
-        self._buffers, self._params, self._state, self._groups = {}, [], {}, []
+        self._buffers, self._params, self._state, self._groups, self._layouts = {}, [], {}, [], {}
         self._optimizer = None
 
     def wait(self) -> None:
@@ -132,7 +136,7 @@ class UpdateSnapshot:
         self.wait()
         with torch.no_grad():
             for p, saved in self._params:
-                p.copy_(saved)
+                _local(p).copy_(saved)
             for p in list(optimizer.state):
                 if p not in self._state:
                     del optimizer.state[p]  # state created lazily by the failed update
@@ -144,14 +148,39 @@ class UpdateSnapshot:
                 for k, v in saved_state.items():
                     current = state.get(k)
                     if isinstance(v, Tensor):
-                        if isinstance(current, Tensor) and current.shape == v.shape and current.dtype == v.dtype:
-                            current.copy_(v)
+                        local = _local(current) if isinstance(current, Tensor) else None
+                        if local is not None and local.shape == v.shape and local.dtype == v.dtype:
+                            local.copy_(v)
                         else:
-                            state[k] = v.to(p.device if current is None else current.device, copy=True)
+                            state[k] = _like(self._layouts.get((id(p), k)), v, p if current is None else current)
                     else:
                         state[k] = _copy_value(v)
         for group, saved_group in zip(optimizer.param_groups, self._groups):
             group.update({k: _copy_value(v) for k, v in saved_group.items()})
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a DTensor (FSDP2's sharded parameters and optimizer state); any other tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _like(layout: Any, saved: Tensor, where: Tensor) -> Tensor:
+    """A device copy of ``saved`` on ``where``'s device, rebuilt as a DTensor when ``layout`` says it was one."""
+    local = saved.to(_local(where).device, copy=True)
+    if layout is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
 
 
 def update_parameters(optimizer: torch.optim.Optimizer) -> list[Tensor]:

@@ -5,6 +5,7 @@ configure_model), each rank also saves how many elements of each parameter it ho
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -14,21 +15,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 from autotune.callbacks import ApplyPlan, ElasticBatchSize  # noqa: E402
 from tests.callbacks.toy import Fault, ToyModel, loader, trainer  # noqa: E402
 
 
 class ShardedToy(ToyModel):
-    """The toy model with each linear layer sharded, then the root (as one shards each block of a transformer)."""
+    """The toy model with each linear layer sharded, then the root (as one shards each block of a transformer);
+    ``reshard``: the layers' reshard_after_forward; ``bf16``: bf16 parameters, fp32 gradient reduction."""
+
+    def __init__(self, *, reshard: bool = True, bf16: bool = False, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.reshard_layers, self.bf16 = reshard, bf16
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+        extra = {"mp_policy": policy} if policy is not None else {}
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_layers, **extra)
+        fully_shard(self, mesh=mesh, **extra)
 
 
 def main() -> None:
@@ -36,6 +44,12 @@ def main() -> None:
     parser.add_argument("--mode", choices=["elastic", "native"], required=True)
     parser.add_argument("--where", default=None, help="forward | backward | step: an OOM there on --rank")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--at-step", type=int, default=None, help="the only step whose micro-batches fault")
+    parser.add_argument("--micro", type=int, default=16, help="elastic: the micro-batch to start with; native: the "
+                        "micro-batch accumulated (batch 64 per rank and step)")
+    parser.add_argument("--grow-after", type=int, default=None, help="elastic: grow back after this many clean steps")
+    parser.add_argument("--toy-reshard", choices=["true", "false"], default="true")
+    parser.add_argument("--bf16-policy", action="store_true", help="bf16 parameters, fp32 reduction (FSDP2 policy)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--composed", action="store_true",
                         help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
@@ -45,12 +59,15 @@ def main() -> None:
     torch.manual_seed(0)
     if args.gpt:
         return gpt(args)
+    toy = {"reshard": args.toy_reshard == "true", "bf16": args.bf16_policy}
     if args.mode == "elastic":
-        fault = Fault(args.where, limit=8, rank=args.rank) if args.where else None
-        model = ShardedToy(fault=fault)
-        callbacks, batch, accumulate = [ElasticBatchSize(grow=False, micro_batch_size=16)], 64, 1
+        steps = (lambda s: True) if args.at_step is None else (lambda s: s == args.at_step)
+        fault = Fault(args.where, limit=8, rank=args.rank, steps=steps) if args.where else None
+        model = ShardedToy(fault=fault, **toy)
+        grow = {"grow": False} if args.grow_after is None else {"grow": True, "grow_after": args.grow_after}
+        callbacks, batch, accumulate = [ElasticBatchSize(micro_batch_size=args.micro, **grow)], 64, 1
     else:
-        model, callbacks, batch, accumulate = ShardedToy(), [], 16, 4
+        model, callbacks, batch, accumulate = ShardedToy(**toy), [], args.micro, 64 // args.micro
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     extra: dict = {}
     if args.composed:
@@ -61,8 +78,12 @@ def main() -> None:
     t.fit(model, loader(64 * 2 * 3, batch))
     state = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for name, v in model.state_dict().items()}
+    elastic = callbacks[0] if args.mode == "elastic" else None
+    events = [(e.kind, e.previous, e.micro_batch_size) for e in elastic.events] if elastic else []
+    drain = elastic.engine.drain if elastic else None
     torch.save({"state": state, "seen": [len(ids) for _, ids in model.seen], "global_step": t.global_step,
-                "ids": [i for _, ids in model.seen for i in ids], "lrs": model.lrs},
+                "ids": [i for _, ids in model.seen for i in ids], "lrs": model.lrs, "events": events, "calls": model.seen,
+                "drained": (drain.drained, drain.followed) if drain else None},
                Path(args.out) / f"rank{t.global_rank}.pt")
 
 
@@ -95,6 +116,7 @@ if __name__ == "__main__":
     # Gloo's worker threads can abort the interpreter's shutdown (SIGABRT, "terminate called without an active
     # exception") while the process group is alive at exit: end it first (docs/troubleshooting.md).
     if torch.distributed.is_initialized():
+        gc.collect()  # collect cycles that hold gloo work (a replayed attempt's frames) while the group is alive
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
