@@ -4,7 +4,9 @@
    ZeRO-2 style) trains 2 ranks with ElasticBatchSize (4 micro-batches of 8 per step, ApplyPlan's sharding): the
    model state one rank holds at the end (its parameters, gradients and optimizer state, measured on the real
    tensors: the shards under FSDP2), its ratio to DDP's, and the largest rank's peak resident set (which also holds
-   about 0.3 GiB of libraries and whatever the allocator kept).
+   about 0.3 GiB of libraries and whatever the allocator kept), with glibc's default allocator settings and with its
+   mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``): by default glibc raises the threshold after large
+   frees, so FSDP2's per-block gather buffers, freed and made again many times a step, stay in the heap.
 2. Step time of ElasticBatchSize under FSDP2 (4 micro-batches per step) vs Lightning's own accumulation of 4
    (same sharding by ApplyPlan, same samples), in alternating fresh 2-rank runs; goal <= 1.02x.
 
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -66,15 +69,18 @@ def memory_rows(sizes: list[str]) -> list[dict[str, Any]]:
         params = sum(p.numel() for p in model.parameters())
         for label, strategy in PLANS.items():
             result = _launch("elastic", size, strategy)
-            rows.append({"size": size, "params": params, "plan": label, **result})
+            fixed = _launch("elastic", size, strategy, env={"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)})
+            rows.append({"size": size, "params": params, "plan": label, **result,
+                         "peak_bytes_fixed_mmap": fixed["peak_bytes"]})
     return rows
 
 
-def _launch(mode: str, size: str, strategy: str) -> dict[str, Any]:
+def _launch(mode: str, size: str, strategy: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run([sys.executable, __file__, "--rank-run", mode, "--size", size, "--strategy", strategy,
-                               "--out", str(out)], capture_output=True, text=True, timeout=900)
+                               "--out", str(out)], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, **(env or {})})
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"{mode} {size} {strategy} run failed:\n{proc.stderr[-2000:]}")
         return json.loads(out.read_text())
@@ -125,6 +131,7 @@ def run_ranks(mode: str, size: str, strategy: str, out: Path) -> None:
         out.write_text(json.dumps({"step_seconds": [b - a for a, b in zip(marks, marks[1:])],
                                    "state_bytes": state_bytes, "peak_bytes": int(peak.item())}))
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -171,12 +178,14 @@ def main() -> None:
     print("\nPer rank on 2 ranks, AdamW, 32-true, ElasticBatchSize 4 x 8: model state held (parameters, gradients, "
           "optimizer state) and the largest rank's peak resident set\n")
     print(markdown_table(
-        ["size", "params", "plan", "model state per rank", "vs ddp", "peak RSS per rank", "vs ddp", "step"],
+        ["size", "params", "plan", "model state per rank", "vs ddp", "peak RSS per rank", "vs ddp",
+         "peak RSS, mmap threshold fixed", "vs ddp", "step"],
         [[r["size"], f"{r['params'] / 1e6:.1f} M", r["plan"], f"{r['state_bytes'] / 2**20:.1f} MiB",
           f"{r['state_bytes'] / ddp[r['size']]['state_bytes']:.2f}x", f"{r['peak_bytes'] / 2**20:.0f} MiB",
-          f"{r['peak_bytes'] / ddp[r['size']]['peak_bytes']:.2f}x",
+          f"{r['peak_bytes'] / ddp[r['size']]['peak_bytes']:.2f}x", f"{r['peak_bytes_fixed_mmap'] / 2**20:.0f} MiB",
+          f"{r['peak_bytes_fixed_mmap'] / ddp[r['size']]['peak_bytes_fixed_mmap']:.2f}x",
           f"{statistics.median(r['step_seconds']) * 1e3:.0f} ms"] for r in memory],
-        right=(1, 3, 4, 5, 6, 7)))
+        right=(1, 3, 4, 5, 6, 7, 8, 9)))
     steps = step_rows(sizes, repeats)
     print(f"\nStep time under FSDP2 (ApplyPlan's sharding, 2 ranks): ElasticBatchSize 4 x 8 vs Lightning's "
           f"accumulate_grad_batches=4, median of {repeats} alternating run(s) of {STEPS} timed steps; goal <= "

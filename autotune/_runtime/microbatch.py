@@ -26,7 +26,7 @@ from autotune._runtime.drain import CollectiveDrain
 from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
-from autotune._runtime.sync import gradient_sync
+from autotune._runtime.sync import no_sync
 from autotune._device.meter import MemoryMeter
 from autotune._runtime.state import (
     MetricStates,
@@ -74,6 +74,9 @@ _DIFFERENT_SPLITS = (
     "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers of "
     "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler pads the "
     "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
+_SHARDED_EVAL_OOM = ("Out of memory in {stage} under FSDP2 (ModelParallelStrategy): evaluation batches are not split "
+                     "under FSDP2 (one rank splitting alone would meet its peers' all-gathers out of order); the run "
+                     "stops on every rank. Lower the {stage} batch size.")
 _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 
@@ -188,9 +191,7 @@ class ElasticEngine:
         global_step: int,
     ) -> Any:
         """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM.
-
-        ``parallel_model`` is the data-parallel wrapper (DDP's, or the FSDP2-sharded module) when there are several
-        ranks, else None."""
+        ``parallel_model`` is DDP's wrapper (or the FSDP2-sharded module) when there are several ranks, else None."""
         n = self.batch_size
         if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
             return step(closure)
@@ -309,14 +310,12 @@ class ElasticEngine:
             for i in range(len(self.sizes)):
                 self.index = i
                 self.logs.n = self.sizes[i]
-                # DDP: no reduction in any micro-batch (the gradients are averaged after the vote); FSDP2: the last
-                # micro-batch's backward reduce-scatters, as Lightning's own accumulation does.
-                last = self.sharded and i == len(self.sizes) - 1
-                model = parallel_model if self.agree.enabled else None
+                # DDP: no reduction in any micro-batch (averaged after the vote). FSDP2 (no no_sync): every backward
+                # reduce-scatters as in Lightning's accumulation, so gradients stay sharded (not 28 GB/rank for 7B).
                 if drain is not None:
                     drain.begin(i)
                 try:
-                    with gradient_sync(model, sync=last):
+                    with no_sync(parallel_model if self.agree.enabled else None):
                         loss = closure()
                 except BaseException as exc:
                     if not (self.agree.enabled and is_oom_error(exc) and not (drain and drain.unsupported)):
@@ -451,6 +450,8 @@ class ElasticEngine:
                 self.logs.discard()
                 if not is_oom_error(exc):
                     raise
+                if self.sharded and self.agree.enabled:
+                    raise OutOfMemoryAtMinimumError(_SHARDED_EVAL_OOM.format(stage=stage)) from exc
                 if not n or micro <= 1:
                     raise OutOfMemoryAtMinimumError(
                         f"Out of memory in {stage} at the smallest evaluation split: batch size {n}, micro-batch "

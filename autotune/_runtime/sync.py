@@ -1,4 +1,4 @@
-"""Gradient synchronisation during micro-batches: DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``."""
+"""Gradient synchronisation during micro-batches (DDP's ``no_sync``), and the FSDP2 units of a model."""
 
 from __future__ import annotations
 
@@ -19,25 +19,11 @@ def fsdp_modules(model: torch.nn.Module | None) -> list[Any]:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: torch.nn.Module | None, *, sync: bool) -> Iterator[None]:
-    """Run a forward and backward with the data-parallel gradient reduction on or off.
-
-    DDP (a model with ``no_sync``): off is ``no_sync()``, on changes nothing. FSDP2: off sets every wrapped module's
-    ``set_requires_gradient_sync(False)`` (gradients accumulate unsharded, no reduce-scatter) and puts it back on
-    after; on leaves the reduce-scatter of the backward in place. Anything else: nothing to do.
-    """
-    if model is None or sync:
+def no_sync(model: torch.nn.Module | None) -> Iterator[None]:
+    """Run a forward and backward without DDP's gradient reduction (``model.no_sync()``); a model without
+    ``no_sync`` (None, one device, FSDP2, whose every backward reduce-scatters) is left as it is."""
+    if model is None or not hasattr(model, "no_sync"):
         yield
         return
-    if hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-        return
-    sharded = fsdp_modules(model)
-    for module in sharded:
-        module.set_requires_gradient_sync(False, recurse=False)
-    try:
+    with model.no_sync():
         yield
-    finally:
-        for module in sharded:
-            module.set_requires_gradient_sync(True, recurse=False)

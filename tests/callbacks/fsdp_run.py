@@ -75,7 +75,7 @@ def main() -> None:
         extra["precision"] = "bf16-mixed"
     t = trainer(callbacks, strategy=strategy, devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5,
                 **extra)
-    t.fit(model, loader(64 * 2 * 3, batch))
+    t.fit(model, loader(64 * 2 * 3, batch), loader(32 * 2, 32) if args.where == "validation" else None)
     state = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for name, v in model.state_dict().items()}
     elastic = callbacks[0] if args.mode == "elastic" else None

@@ -137,3 +137,14 @@ def test_tensor_parallelism_is_refused() -> None:
     with pytest.raises(MisconfigurationException, match=r"supports ModelParallelStrategy with data parallelism only "
                        r"\(FSDP2\), but tensor_parallel_size is 2"):
         ElasticBatchSize().setup(t, ToyModel(), "fit")
+
+
+@pytest.mark.slow
+def test_an_evaluation_oom_under_fsdp2_stops_every_rank_with_one_clear_error(tmp_path: Path) -> None:
+    # Evaluation batches are not split under FSDP2: a rank splitting alone would meet its peers' all-gathers out of
+    # order. The run ends with one line instead, and the launcher stops the other rank (the timeout catches a hang).
+    proc = run(tmp_path, "--mode", "elastic", "--where", "validation", "--rank", "0")
+    assert proc.returncode != 0
+    assert ("Out of memory in validate under FSDP2 (ModelParallelStrategy): evaluation batches are not split under "
+            "FSDP2") in proc.stderr
+    assert not list(tmp_path.glob("rank*.pt"))
