@@ -95,6 +95,9 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
                         help="micro-batch of every row (default: the plan's, else the whole batch)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one)")
+    parser.add_argument("--world-size", default=None, metavar="N",
+                        help="ranks the plans run on: each row is one rank's peak (replicated under ddp, sharded "
+                        "under fsdp; default: a plan's devices, else 1)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list, with bytes as integers")
 
 
@@ -110,6 +113,11 @@ def _run_estimate(args: argparse.Namespace) -> int:
         if not micro.isdigit() or int(micro) < 1:
             raise ValueError(f"--micro-batch-size must be a positive int; got {micro!r}")
         micro = int(micro)
+    world = args.world_size
+    if world is not None:
+        if not world.isdigit() or int(world) < 1:
+            raise ValueError(f"--world-size must be an int >= 1; got {world!r}")
+        world = int(world)
     plans = [load_plan(path) for path in args.plan]
     if args.precision or not plans:
         plans += default_plans(precisions=args.precision or None)
@@ -118,7 +126,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
                          "or --config")
     device: str | int | None = int(args.device) if args.device and args.device.isdigit() else args.device
     target = load_target(args.target, config=args.config)
-    rows = estimate_target(target=target, plans=plans, budget=budget, device=device, micro_batch_size=micro)
+    rows = estimate_target(target=target, plans=plans, budget=budget, device=device, micro_batch_size=micro,
+                           world_size=world)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
     return _EXIT_OK
 
@@ -135,7 +144,9 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     if not rows:
         return "no plans to estimate"
     first = rows[0]
-    header = f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
+    ranks = f", per rank of {first.estimate.world_size}" if first.estimate.world_size > 1 else ""
+    header = (f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
+              f"{ranks}")
     table = [("plan", "micro", "predicted peak", "fits", "max micro")]
     for row in rows:
         label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))

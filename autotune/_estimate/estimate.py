@@ -35,6 +35,7 @@ from autotune._runtime.blocks import checkpoint_blocks, offload_activations, sel
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._device.budget import Budget, BudgetSpec
 from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
+from autotune._estimate.sharding import rank_state
 from autotune._estimate.fake_step import (
     OptimizerFactory,
     bytes_of,
@@ -75,8 +76,11 @@ class Estimate:
 
     Attributes:
         plan: The plan traced, its ``micro_batch_size`` set to the micro-batch traced.
-        micro_batch_size: Samples in the traced micro-batch.
+        micro_batch_size: Samples in the traced micro-batch (one rank's).
         device: The device estimated for (``"cpu"``, ``"cuda:0"``).
+        world_size: The ranks the plan runs on; the figures are one rank's (see :mod:`autotune._estimate.sharding`).
+        gathered_bytes: Under ``strategy="fsdp"``, the part of the parameter and gradient bytes that is gathered
+            units (not model state): the rest of those two and the optimizer state are this rank's shards.
         parameters_bytes: Parameters and buffers.
         gradients_bytes: Gradients alive at the peak (this step's, or the previous step's during the forward).
         optimizer_state_bytes: The optimizer's state (Adam's moments, momentum buffers).
@@ -106,6 +110,8 @@ class Estimate:
     predicted_peak_bytes: int
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
+    world_size: int = 1
+    gathered_bytes: int = 0
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the predicted peak is at most ``budget_bytes``."""
@@ -138,12 +144,13 @@ class TargetEstimate:
                 "predicted_peak_bytes": self.estimate.predicted_peak_bytes,
                 **{f"{name}_bytes": value for name, value in self.estimate.breakdown().items()},
                 "host_bytes": self.estimate.host_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
-                "max_micro_batch_size": self.max_micro_batch_size, "notes": list(self.estimate.notes)}
+                "max_micro_batch_size": self.max_micro_batch_size, "world_size": self.estimate.world_size,
+                "gathered_bytes": self.estimate.gathered_bytes, "notes": list(self.estimate.notes)}
 
 
 def estimate(
     *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec = None,
-    optimizer: OptimizerFactory | None = None,
+    optimizer: OptimizerFactory | None = None, world_size: int | None = None,
 ) -> Estimate:
     """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
 
@@ -155,22 +162,27 @@ def estimate(
         plan: Its precision, checkpointing, offload, strategy and micro-batch are applied.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or N; None: the current CUDA device, else the CPU.
         optimizer: Builds the optimizer from the parameters; None: the model's ``configure_optimizers()``.
+        world_size: The ranks the plan runs on (None: the plan's ``devices``, else 1); the estimate is one rank's:
+            replicated model state under DDP (plus its gradient buckets), sharded under ``strategy="fsdp"`` (the
+            shards, plus the gathered units), and the rank's micro-batch of activations.
 
     Raises:
         ValueError: for a bad device, a batch without tensors, a micro-batch larger than the batch, a precision the
-            estimator does not trace, manual optimization, or a ``training_step`` that cannot be traced.
+            estimator does not trace, manual optimization, a ``training_step`` that cannot be traced, or a bad
+            ``world_size``.
 
     Example:
         >>> estimate(model=model, batch=batch, plan=Plan(micro_batch_size=8)).fits(2**30)  # doctest: +SKIP
         True
+        >>> estimate(model=model, batch=batch, plan=Plan(strategy="fsdp"), world_size=8)  # doctest: +SKIP
     """
-    traces = _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer)
+    traces = _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer, world_size=world_size)
     return traces.at(plan.micro_batch_size or traces.size)
 
 
 def max_micro_batch_size(
     *, model: LightningModule, batch: Any, plan: Plan, budget_bytes: int, device: DeviceSpec = None,
-    optimizer: OptimizerFactory | None = None,
+    optimizer: OptimizerFactory | None = None, world_size: int | None = None,
 ) -> int | None:
     """The largest micro-batch of ``batch`` (1..its size) whose predicted step peak fits ``budget_bytes``.
 
@@ -186,7 +198,8 @@ def max_micro_batch_size(
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int of bytes; got {budget_bytes!r}")
-    return _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer).largest_fit(budget_bytes)
+    return _Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer,
+                   world_size=world_size).largest_fit(budget_bytes)
 
 
 def default_plans(*, precisions: Sequence[str] | None = None) -> list[Plan]:
@@ -197,12 +210,13 @@ def default_plans(*, precisions: Sequence[str] | None = None) -> list[Plan]:
 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
-    micro_batch_size: int | None = None,
+    micro_batch_size: int | None = None, world_size: int | None = None,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
     ``budget`` is a spec (``"20GiB"``, ``0.8``, ``"auto"``) resolved against ``device``'s memory; every row uses
-    ``micro_batch_size`` (None: the plan's own, else the whole batch). Returns one row per plan, in order.
+    ``micro_batch_size`` (None: the plan's own, else the whole batch), and is one rank's of ``world_size`` (see
+    :func:`estimate`). Returns one row per plan, in order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -218,7 +232,8 @@ def estimate_target(
     batch = first_batch(target)
     rows = []
     for plan in plans:
-        traces = _Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None)
+        traces = _Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
+                         world_size=world_size)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
                                    max_micro_batch_size=traces.largest_fit(budget_bytes)))
@@ -264,7 +279,7 @@ class _Traces:
     """Estimates of one model, batch and plan at any micro-batch, each traced once."""
 
     def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
-                 optimizer: OptimizerFactory | None) -> None:
+                 optimizer: OptimizerFactory | None, world_size: int | None = None) -> None:
         if plan.precision not in _TRACEABLE_PRECISIONS:
             raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
                              f"got {plan.precision!r}")
@@ -278,6 +293,7 @@ class _Traces:
         if plan.optimizer_offload and self.device.type != "cuda":
             raise ValueError("optimizer_offload moves optimizer state from a CUDA GPU to the host; estimate it for a "
                              "CUDA device, or set optimizer_offload=False")
+        self.world_size = _world_size(world_size, plan)
         self._done: dict[int, Estimate] = {}
 
     def at(self, micro: int) -> Estimate:
@@ -357,12 +373,38 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
                              "tensor values (such as .item() or data-dependent shapes)") from error
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device)
         trained = (p for p in fake.parameters() if p.requires_grad)
-        grad_bytes = bytes_of(trained, device) if plan.strategy == "ddp" else 0
+        replicated = plan.strategy == "ddp" or (plan.strategy == "auto" and traces.world_size > 1)
+        grad_bytes = bytes_of(trained, device) if replicated else 0
         # DDP's own buckets (one more gradient) and the runtime's averaging buffers (up to two buckets).
         ddp_bytes = grad_bytes + min(grad_bytes, 2 * GRADIENT_BUCKET_BYTES)
+        sharded = None
+        if plan.strategy == "fsdp":
+            compute = torch.bfloat16 if plan.precision == "bf16-mixed" else None
+            sharded = rank_state(fake, optimizers, world_size=traces.world_size, compute_dtype=compute,
+                                 reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
     estimate = _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
                               state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
-    return dataclasses.replace(estimate, notes=tracker.workspace.notes())
+    if sharded is not None:  # one rank's shards and gathered units in place of the whole model's state
+        parts = {"parameters_bytes": sharded.parameters, "gradients_bytes": sharded.gradients,
+                 "optimizer_state_bytes": sharded.optimizer_state}
+        peak = estimate.predicted_peak_bytes + sum(v - getattr(estimate, k) for k, v in parts.items())
+        estimate = dataclasses.replace(estimate, **parts, predicted_peak_bytes=peak, gathered_bytes=sharded.gathered,
+                                       host_bytes=estimate.host_bytes + sharded.host)
+    return dataclasses.replace(estimate, notes=tracker.workspace.notes(), world_size=traces.world_size)
+
+
+def _world_size(world_size: int | None, plan: Plan) -> int:
+    """The ranks to estimate for: ``world_size``, else the plan's devices, else 1; ValueError naming a bad one."""
+    if world_size is None:
+        world_size = plan.devices or 1
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    if plan.devices is not None and plan.devices != world_size:
+        raise ValueError(f"world_size {world_size} differs from the plan's devices {plan.devices}; give one")
+    if plan.strategy == "fsdp" and world_size == 1 and not plan.cpu_offload:
+        raise ValueError("strategy 'fsdp' over world_size 1 shards nothing; estimate it with world_size >= 2 (or "
+                         "cpu_offload=True), or use strategy 'auto'")
+    return world_size
 
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,

@@ -357,7 +357,7 @@ class _Objective:
 
     def _predict(self, plan: Plan) -> int | None:
         if plan.strategy == "fsdp":
-            return None  # the estimator counts a sharded plan's state as replicated: no rejection on its word
+            return None  # per-rank sharded estimates are not yet checked against measured peaks: no rejection
         return self.estimator.peak(plan)
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
