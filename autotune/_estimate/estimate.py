@@ -334,7 +334,10 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
     with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
         warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        convert_model(fake, device, precision_input_dtype(precision))
+        # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16, with
+        # the fp32 master shards in closed form (rank_state)
+        gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
+        convert_model(fake, device, torch.bfloat16 if gathered_bf16 else precision_input_dtype(precision))
         fake.train()
         if plan.activation_checkpointing:
             checkpoint_blocks(select_blocks(fake, plan.activation_checkpointing))
@@ -379,11 +382,12 @@ def _trace(traces: _Traces, micro: int) -> Estimate:
         ddp_bytes = grad_bytes + min(grad_bytes, 2 * GRADIENT_BUCKET_BYTES)
         sharded = None
         if plan.strategy == "fsdp":
-            compute = torch.bfloat16 if plan.precision == "bf16-mixed" else None
-            sharded = rank_state(fake, optimizers, world_size=traces.world_size, compute_dtype=compute,
+            master = torch.float32 if gathered_bf16 else None
+            sharded = rank_state(fake, optimizers, world_size=traces.world_size, master_dtype=master,
                                  reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
     estimate = _estimate_from(tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device,
-                              state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes)
+                              state_bytes=state_bytes, extra_overhead=ddp_bytes, extra_host=host_bytes,
+                              update_shards=traces.world_size if sharded is not None else 1)
     if sharded is not None:  # one rank's shards and gathered units in place of the whole model's state
         parts = {"parameters_bytes": sharded.parameters, "gradients_bytes": sharded.gradients,
                  "optimizer_state_bytes": sharded.optimizer_state}
@@ -408,7 +412,8 @@ def _world_size(world_size: int | None, plan: Plan) -> int:
 
 
 def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
-                   device: torch.device, state_bytes: int, extra_overhead: int, extra_host: int) -> Estimate:
+                   device: torch.device, state_bytes: int, extra_overhead: int, extra_host: int,
+                   update_shards: int = 1) -> Estimate:
     Ref = mem_ref_types()
 
     here: Mapping[Any, int] = next((snap for dev, snap in snapshot.items() if dev.type == device.type), {})
@@ -421,7 +426,9 @@ def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.d
         "gradients_bytes": int(here.get(Ref.GRAD, 0)),
         "optimizer_state_bytes": state,
         "activations_bytes": int(here.get(Ref.ACT, 0) + here.get(Ref.OTH, 0)),
-        "temporaries_bytes": int(here.get(Ref.TEMP, 0)) + made_in_update - state,
+        # the update's own temporaries (foreach optimizers: about one per state tensor); sharded, each rank updates
+        # its shards only
+        "temporaries_bytes": int(here.get(Ref.TEMP, 0)) + (made_in_update - state) // update_shards,
         "overhead_bytes": extra_overhead + (cuda_overhead_bytes(device) if device.type == "cuda" else 0),
     }
     return Estimate(plan=plan.replace(micro_batch_size=micro), micro_batch_size=micro, device=str(device),
