@@ -60,3 +60,13 @@ def test_cli_refuses_a_bad_world_size_with_one_line(capsys: pytest.CaptureFixtur
     assert main(["estimate", "tests/fixtures/search_target.py:make", "--budget", "1GiB", "--world-size", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "autotune: error: --world-size must be an int >= 1; got '0'"
+
+
+def test_cli_rows_per_rank_are_replicated_and_sharded(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "tests/fixtures/search_target.py:make", "--budget", "1GiB", "--device", "cpu",
+                 "--precision", "32-true", "--world-size", "2", "--micro-batch-size", "4"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "device cpu, batch 64, budget 1.00 GiB, per rank of 2"
+    assert [line.split("  ")[0].strip() for line in lines[2:6]] == [
+        "ddp, 32-true", "ddp, 32-true, ckpt 1.0", "fsdp x2, 32-true", "fsdp x2, 32-true, ckpt 1.0"]

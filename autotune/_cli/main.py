@@ -90,8 +90,8 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", action="extend", default=[], metavar="TUNED",
                         help="tuned .yaml files whose plans to estimate")
     parser.add_argument("--precision", nargs="+", action="extend", default=[], metavar="P",
-                        help="precisions to estimate, each with and without checkpointing (default without --plan: "
-                        "32-true and bf16-mixed)")
+                        help="precisions to estimate, each with and without checkpointing, and with --world-size N > 1 "
+                        "each replicated (ddp) and sharded (fsdp) (default without --plan: 32-true and bf16-mixed)")
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
                         help="micro-batch of every row (default: the plan's, else the whole batch)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one)")
@@ -120,7 +120,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         world = int(world)
     plans = [load_plan(path) for path in args.plan]
     if args.precision or not plans:
-        plans += default_plans(precisions=args.precision or None)
+        plans += default_plans(precisions=args.precision or None, world_size=world or 1)
     if args.target is None and args.config is None:
         raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
                          "or --config")

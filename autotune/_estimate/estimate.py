@@ -202,10 +202,13 @@ def max_micro_batch_size(
                    world_size=world_size).largest_fit(budget_bytes)
 
 
-def default_plans(*, precisions: Sequence[str] | None = None) -> list[Plan]:
-    """Each precision (default 32-true and bf16-mixed) with no and full checkpointing; ValueError for a bad one."""
-    return [Plan(precision=p, activation_checkpointing=c) for p in precisions or ("32-true", "bf16-mixed")
-            for c in (0.0, 1.0)]
+def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 1) -> list[Plan]:
+    """Each precision (default 32-true and bf16-mixed) with no and full checkpointing, and over several ranks both
+    replicated (ddp) and sharded (fsdp); ValueError for a bad precision."""
+    layouts: list[dict[str, Any]] = [{}] if world_size <= 1 else [
+        {"strategy": "ddp"}, {"strategy": "fsdp", "devices": world_size}]
+    return [Plan(precision=p, activation_checkpointing=c, **layout) for p in precisions or ("32-true", "bf16-mixed")
+            for layout in layouts for c in (0.0, 1.0)]
 
 
 def estimate_target(
