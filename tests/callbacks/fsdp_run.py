@@ -55,6 +55,7 @@ def main() -> None:
                         help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
     parser.add_argument("--gpt", action="store_true", help="the GPT example, sharded by ApplyPlan")
     parser.add_argument("--reshard", choices=["true", "false"], default="true", help="--gpt: reshard_after_forward")
+    parser.add_argument("--compile", action="store_true", help="--gpt: ApplyPlan compiles each block (before sharding)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.gpt:
@@ -95,7 +96,7 @@ def gpt(args: argparse.Namespace) -> None:
     elastic = args.mode == "elastic"
     data = SyntheticTokens(vocab_size=64, block_size=16, batch_size=32 if elastic else 8, num_samples=32 * 2 * 3)
     apply = ApplyPlan(activation_checkpointing=0.5 if args.composed else 0.0,
-                      reshard_after_forward=args.reshard == "true")
+                      reshard_after_forward=args.reshard == "true", compile=args.compile)
     callbacks = [apply, *([ElasticBatchSize(grow=False, micro_batch_size=8)] if elastic else [])]
     t = trainer(callbacks, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), devices=2,
                 accumulate_grad_batches=1 if elastic else 4, gradient_clip_val=1.0, max_epochs=1,
@@ -106,7 +107,7 @@ def gpt(args: argparse.Namespace) -> None:
     state = {name: v.full_tensor().detach().clone() for name, v in model.state_dict().items()}
     local = {name: (p.to_local().numel(), p.numel()) for name, p in model.named_parameters()}
     torch.save({"state": state, "local": local, "global_step": t.global_step,
-                "sharded": [type(m).__name__ for m in apply.sharded],
+                "sharded": [type(m).__name__ for m in apply.sharded], "compiled": len(apply.compiled),
                 "gathered_dtype": gathered[0]},
                Path(args.out) / f"rank{t.global_rank}.pt")
 

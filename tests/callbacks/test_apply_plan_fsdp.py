@@ -30,8 +30,8 @@ def run_gpt(tmp: Path, mode: str, *args: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [(), ("--composed", "--reshard", "false")],
-                         ids=["fp32-zero3", "bf16-checkpointing-zero2"])
+@pytest.mark.parametrize("options", [(), ("--composed", "--reshard", "false"), ("--composed", "--compile")],
+                         ids=["fp32-zero3", "bf16-checkpointing-zero2", "bf16-checkpointing-compile-zero3"])
 def test_apply_plan_shards_a_model_without_configure_model(tmp_path: Path, options: tuple[str, ...]) -> None:
     native = run_gpt(tmp_path / "native", "native", *options)
     elastic = run_gpt(tmp_path / "elastic", "elastic", *options)
@@ -41,6 +41,7 @@ def test_apply_plan_shards_a_model_without_configure_model(tmp_path: Path, optio
     for r in range(2):
         # the repeated blocks, then the root (GPT is the LightningModule and its forward is what the step calls)
         assert elastic[r]["sharded"] == ["FSDPBlock"] * 3 + ["FSDPGPT"]
+        assert elastic[r]["compiled"] == (3 if "--compile" in options else 0)  # each block, compiled before sharding
         assert elastic[r]["global_step"] == native[r]["global_step"] == 3
         for name, value in elastic[r]["state"].items():
             assert (value - native[r]["state"][name]).abs().max().item() <= 1e-6, name
