@@ -132,11 +132,12 @@ def fsdp_is_root(module: Any) -> bool:
 
 
 def clear_fsdp_unsharded_grads(module: Any) -> None:
-    """Drop the gradients an FSDP2 unit accumulated unsharded under ``set_requires_gradient_sync(False)``
+    """Drop the unsharded gradients an FSDP2 unit holds before its reduce-scatter: a backward that ran out of memory
+    leaves them behind, and so does accumulation under ``set_requires_gradient_sync(False)``
     (``FSDPParam._unsharded_param.grad`` and ``FSDPParam.unsharded_accumulated_grad``, the latter when the reduce
     dtype differs from the parameter dtype). Public ``reset_iter_state()`` resets the iteration but keeps them, and
     ``zero_grad`` only reaches the sharded gradients. If they moved, a step replayed after an OOM would add the
-    failed attempt's micro-batches to its gradients (the FSDP2 replay tests compare weights with Lightning's
+    failed attempt's partial gradients to its own (the FSDP2 replay tests compare weights with Lightning's
     accumulation and would fail)."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for param in group.fsdp_params:

@@ -1,6 +1,6 @@
 """FSDP2: record each micro-batch's collectives, and issue the rest of them after an out-of-memory error.
 
-Under FSDP2 every forward all-gathers parameters and the synchronizing backward reduce-scatters gradients. A rank
+Under FSDP2 every forward all-gathers parameters and every backward reduce-scatters gradients. A rank
 that runs out of memory half-way stops issuing them while its peers wait inside one, so no vote could reach them.
 :class:`CollectiveDrain` wraps the all-gather and reduce-scatter of every FSDP unit (public
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``; the unit's own communication still does the
@@ -218,7 +218,7 @@ class CollectiveDrain:
     # -------------------------------------------------------------------------------------------- after an OOM
     def reset(self, optimizer: torch.optim.Optimizer) -> None:
         """Put FSDP back in a state a new forward can start from (all ranks, before a replay): per-iteration state
-        of every root reset, unsharded gradients accumulated without synchronization dropped, gradients dropped."""
+        of every root reset, unsharded gradients a failed backward left dropped, gradients dropped."""
         for unit in self.units:
             # The roots are the units forwarded first (FSDP decides at the first forward: a LightningModule whose
             # training_step calls a submodule is not one); a unit never forwarded has nothing to reset.
