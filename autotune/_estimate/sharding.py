@@ -6,8 +6,8 @@ holds the parameters of the units it has gathered: the root's (gathered for the 
 running block's and the next one's (prefetched); ZeRO-2 style (``reshard_after_forward=False``) every block stays
 gathered from its forward to its backward. Gathered parameters are in the dtype the step was traced in: bf16 under
 bf16-mixed, FSDP2's mixed-precision policy, while the shards (parameters, gradients, state) keep the fp32 master
-dtype given as ``master_dtype``. A backward makes the unsharded gradient of one unit at a time in fp32 and its reduce-scatter
-input; both are counted for the largest unit. With ``cpu_offload`` the shards (parameters, gradients, state) are on
+dtype given as ``master_dtype``. A backward makes the unsharded gradient of one unit at a time (in the reduce dtype)
+and its reduce-scatter input; both are counted for the largest unit. With ``cpu_offload`` the shards (parameters, gradients, state) are on
 the host and the update runs there.
 """
 
