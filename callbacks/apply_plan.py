@@ -162,6 +162,10 @@ class ApplyPlan(Callback):
                                        reshard_after_forward=plan.reshard_after_forward, param_dtype=param_dtype,
                                        cpu_offload=plan.cpu_offload)
 
+        self._set_configure_model(pl_module, configure_model)
+
+    def _set_configure_model(self, pl_module: LightningModule, configure_model: Callable[[], None]) -> None:
+        """Give this module (not its class) ``configure_model`` until teardown; Lightning calls it after ``setup``."""
         pl_module.configure_model = configure_model  # type: ignore[method-assign]
         self._undo.append(lambda: vars(pl_module).pop("configure_model", None))
 
@@ -174,8 +178,7 @@ class ApplyPlan(Callback):
             for module in self.sharded:
                 module.set_reshard_after_forward(False, recurse=False)
 
-        pl_module.configure_model = configure_model  # type: ignore[method-assign]
-        self._undo.append(lambda: vars(pl_module).pop("configure_model", None))
+        self._set_configure_model(pl_module, configure_model)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -348,7 +348,8 @@ def test_measure_plan_refuses_bad_input() -> None:
 def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
     optuna.logging.set_verbosity(optuna.logging.DEBUG)
     try:
-        with pytest.raises(NoFeasiblePlanError):  # every plan is over a tiny budget; the level comes back anyway
+        # every plan is over a tiny budget; the level comes back anyway
+        with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 600MiB"):
             search(target=f"{FIXTURE}:make_huge", budget="600MiB", space="cpu", trials=1,
                    storage=f"sqlite:///{tmp_path}/s.db", out=None, seed=0, **FAST)
         assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
