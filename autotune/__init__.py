@@ -7,6 +7,7 @@ and the memory tools (probe, budget). Optuna and matplotlib are imported only by
 from autotune._device.budget import Budget
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune._device.probe import MemoryProbe, probe_memory
+from autotune._estimate.capacity import CapacityRow, estimate_capacity
 from autotune._estimate.estimate import Estimate, estimate
 from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
 from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
@@ -20,6 +21,7 @@ __all__ = [
     "PRECISIONS",
     "STRATEGIES",
     "Budget",
+    "CapacityRow",
     "Estimate",
     "MemoryProbe",
     "NoFeasiblePlanError",
@@ -36,6 +38,7 @@ __all__ = [
     "__version__",
     "available_spaces",
     "estimate",
+    "estimate_capacity",
     "is_oom_error",
     "load_plan",
     "load_space",

@@ -210,7 +210,25 @@ def mem_ref_types() -> Any:
     return _MemRefType
 
 
-def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int]) -> Any:
+def cuda_autocast_ops() -> frozenset[str]:
+    """Names of the aten ops that have an ``AutocastCUDA`` kernel (any overload) in this build of torch, read from
+    the dispatcher (``torch._C._dispatch_get_all_op_names`` and ``_dispatch_has_kernel_for_dispatch_key``): CPU
+    builds register them too. If those were renamed, what-if CUDA estimates would fail."""
+    global _CUDA_AUTOCAST_OPS
+    if _CUDA_AUTOCAST_OPS is None:
+        import torch
+
+        names = (op for op in torch._C._dispatch_get_all_op_names()
+                 if torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
+        _CUDA_AUTOCAST_OPS = frozenset(op.removeprefix("aten::").split(".")[0] for op in names)
+    return _CUDA_AUTOCAST_OPS
+
+
+_CUDA_AUTOCAST_OPS: frozenset[str] | None = None
+
+
+def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
+                        round_bytes: Callable[[int], int] | None = None) -> Any:
     """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) keeping the whole step's peak only, with
     ``extra_bytes(func, args, kwargs, out)`` bytes of kernel work buffers counted as temporaries while each op runs.
 
@@ -218,11 +236,17 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int]) -> Any
     and writes its ``_curr_mem_snap``, ``_peak_mem`` and ``_peak_mem_snap``. If those changed, ``estimate`` would
     fail or give wrong peaks (the estimator tests compare with profiled peaks); if ``_update_peak_stats`` were
     renamed, estimates would only get slower. ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
-    allocated on fake tensors.
+    allocated on fake tensors. ``round_bytes`` rounds every storage (CUDA's rules on a CPU trace): it sets the
+    ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it.
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class StepTracker(MemTracker):
+        def _update_snap(self, flag: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+            if round_bytes is not None:
+                winfo.mem_consumed = round_bytes(winfo.size * winfo.element_size)
+            super()._update_snap(flag, winfo, *args, **kwargs)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:

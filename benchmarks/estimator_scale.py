@@ -6,6 +6,8 @@
    gradients and optimizer state of one rank, gathered units excluded) next to the closed form: fp32 AdamW 4 + 4 + 8;
    bf16-mixed the same fp32 master state (its autocast weight copies are activations, 2 bytes per parameter during
    the forward); bf16-true 2 + 2 + 4; ZeRO-3 (``strategy="fsdp"``) over N ranks 16 / N.
+3. The capacity answer for 7B (1.3B with ``--quick``): the smallest number of 80 GiB CUDA devices, estimated what-if
+   on this machine, and the plan.
 
     python benchmarks/estimator_scale.py            # 125M..70B; about 3 minutes on a 2-core CPU
     python benchmarks/estimator_scale.py --quick    # 125M and 1.3B only
@@ -92,6 +94,25 @@ def measure(name: str) -> dict[str, Any]:
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rows": rows}
 
 
+def capacity_of(name: str, device_memory: int = 80 * 2**30, max_world_size: int = 64) -> dict[str, Any]:
+    """In a fresh process: the smallest number of what-if CUDA devices of ``device_memory`` for ``name`` (built on
+    meta, 4 samples per rank), as ``autotune estimate --device cuda --device-memory 80GiB --max-world-size 64``."""
+    quiet()
+    import torch
+
+    from autotune import estimate_capacity
+
+    started = time.perf_counter()
+    model = build(SHAPES[name])
+    batch = (torch.zeros(4, CONTEXT, dtype=torch.long), torch.zeros(4, CONTEXT, dtype=torch.long))
+    rows = estimate_capacity(model=model, batch=batch, device="cuda", device_memory_bytes=device_memory,
+                             max_world_size=max_world_size)
+    return {"model": name, "seconds": time.perf_counter() - started,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rows": [{"world_size": r.world_size, "fits": r.fits, "plan": r.estimate.plan.describe(),
+                      "peak_bytes": r.estimate.predicted_peak_bytes} for r in rows]}
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="125M and 1.3B only")
@@ -118,7 +139,13 @@ def main() -> None:
     print(markdown_table(["plan", "estimator", "closed form", "one rank's peak (micro-batch 1)"],
                          [[x["plan"], f"{x['state_per_param']:.3f} B", f"{x['closed_per_param']:.3f} B",
                            f"{x['peak_bytes'] / 2**30:.1f} GiB"] for x in ten["rows"]], right=(1, 2, 3)))
-    write_json(args.json, {"machine": m, "results": results})
+    cap = in_fresh_process(capacity_of, "1.3B" if args.quick else "7B")
+    print(f"\nCapacity, {cap['model']} on what-if 80 GiB CUDA devices (4 samples of {CONTEXT} tokens per rank): "
+          f"{cap['seconds']:.1f} s, {cap['max_rss_bytes'] / 2**30:.2f} GiB peak RSS\n")
+    print(markdown_table(["devices", "fits", "plan (closest where none fits)", "peak per rank"],
+                         [[str(r["world_size"]), "yes" if r["fits"] else "no", r["plan"],
+                           f"{r['peak_bytes'] / 2**30:.2f} GiB"] for r in cap["rows"]], right=(0, 3)))
+    write_json(args.json, {"machine": m, "results": results, "capacity": cap})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 import autotune
-import autotune._estimate.estimate as estimator
+import autotune._estimate.trace as estimator
 from autotune import Estimate, Plan, estimate
 from autotune._cli.main import main
 from autotune._estimate.estimate import max_micro_batch_size

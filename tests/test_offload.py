@@ -13,7 +13,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from autotune import Plan
-from autotune._estimate.estimate import _Traces, estimate
+from autotune._estimate.estimate import estimate
+from autotune._estimate.trace import Traces
 from autotune._runtime.offload import OFFLOAD_MIN_NUMEL, _Owners, device_part, hyperparameters, is_offloaded
 from autotune._plan.space import _unrunnable
 from autotune.callbacks import ApplyPlan
@@ -184,7 +185,7 @@ def test_the_estimate_moves_offloaded_state_to_the_host() -> None:
                        "estimate it for a CUDA device"):
         estimate(model=net, batch=batch, plan=Plan(optimizer_offload=True), device="cpu")
     plain = estimate(model=net, batch=batch, plan=Plan(), device="cpu")
-    traces = _Traces(model=net, batch=batch, plan=Plan(), device="cpu", optimizer=None)
+    traces = Traces(model=net, batch=batch, plan=Plan(), device="cpu", optimizer=None)
     traces.plan = Plan(optimizer_offload=True)  # the CPU stands in for the GPU here (the public API refuses it)
     offloaded = traces.at(8)
     big_bytes = net.layer[0].weight.numel() * 4

@@ -85,7 +85,9 @@ def format_probe_table(probe: MemoryProbe) -> str:
 def _build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", nargs="?", default=None, metavar="TARGET",
                         help="path/to/file.py:factory, package.module:factory, or a LightningCLI config")
-    parser.add_argument("--budget", required=True, help="memory budget: 20GiB, 512MiB, bytes, 0.8 (of total), auto")
+    parser.add_argument("--budget", default=None,
+                        help="memory budget per rank: 20GiB, 512MiB, bytes, 0.8 (of total), auto (default with "
+                        "--device-memory: the device's memory less the CUDA context)")
     parser.add_argument("--config", default=None, help="a LightningCLI config with the rest of a factory target")
     parser.add_argument("--plan", nargs="+", action="extend", default=[], metavar="TUNED",
                         help="tuned .yaml files whose plans to estimate")
@@ -94,7 +96,14 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
                         "each replicated (ddp) and sharded (fsdp) (default without --plan: 32-true and bf16-mixed)")
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
                         help="micro-batch of every row (default: the plan's, else the whole batch)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one); "
+                        "cuda without CUDA on this machine estimates what-if, with CUDA's rules")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="the memory of each device (80GiB): for a device this machine does not have, and for "
+                        "--max-world-size")
+    parser.add_argument("--max-world-size", default=None, metavar="N",
+                        help="capacity mode: the smallest number of devices (1, 2, 4, ... up to N) and the plan that "
+                        "fits the model, with its largest micro-batch")
     parser.add_argument("--world-size", default=None, metavar="N",
                         help="ranks the plans run on: each row is one rank's peak (replicated under ddp, sharded "
                         "under fsdp; default: a plan's devices, else 1)")
@@ -103,21 +112,23 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from autotune._device.budget import Budget
-    from autotune._estimate.estimate import default_plans, estimate_target
+    from autotune._estimate.estimate import budget_in_bytes, default_plans, estimate_device, estimate_target
     from autotune._target.target import load_target
     from autotune._plan.plan import load_plan
 
-    budget = Budget.parse(args.budget)  # bad input fails before the target is built
-    micro = args.micro_batch_size
-    if micro is not None:
-        if not micro.isdigit() or int(micro) < 1:
-            raise ValueError(f"--micro-batch-size must be a positive int; got {micro!r}")
-        micro = int(micro)
-    world = args.world_size
-    if world is not None:
-        if not world.isdigit() or int(world) < 1:
-            raise ValueError(f"--world-size must be an int >= 1; got {world!r}")
-        world = int(world)
+    # bad input fails before the target is built
+    memory = _size_option("--device-memory", args.device_memory)
+    if args.budget is None and memory is None:
+        raise ValueError("give --budget (20GiB, 0.8, auto) or --device-memory (80GiB)")
+    budget = Budget.parse(args.budget) if args.budget is not None else None
+    micro = _int_option("--micro-batch-size", args.micro_batch_size, "a positive int")
+    world = _int_option("--world-size", args.world_size, "an int >= 1")
+    most = _int_option("--max-world-size", args.max_world_size, "an int >= 1")
+    if most is not None and memory is None:
+        raise ValueError("--max-world-size needs --device-memory, the memory of each device (80GiB)")
+    if most is not None and (world is not None or micro is not None or args.plan):
+        raise ValueError("--max-world-size chooses the world size, the plan and the micro-batch: drop --world-size, "
+                         "--micro-batch-size and --plan")
     plans = [load_plan(path) for path in args.plan]
     if args.precision or not plans:
         plans += default_plans(precisions=args.precision or None, world_size=world or 1)
@@ -125,11 +136,74 @@ def _run_estimate(args: argparse.Namespace) -> int:
         raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
                          "or --config")
     device: str | int | None = int(args.device) if args.device and args.device.isdigit() else args.device
+    resolved, what_if = estimate_device(device)
+    budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=memory)
     target = load_target(args.target, config=args.config)
-    rows = estimate_target(target=target, plans=plans, budget=budget, device=device, micro_batch_size=micro,
-                           world_size=world)
+    if most is not None:
+        return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory, budget=budget,
+                             most=most)
+    rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
+                           micro_batch_size=micro, world_size=world)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
     return _EXIT_OK
+
+
+def _run_capacity(args: argparse.Namespace, *, target: Any, device: Any, what_if: bool, memory: int,
+                  budget: Any, most: int) -> int:
+    from autotune._estimate.capacity import estimate_capacity
+    from autotune._estimate.estimate import budget_in_bytes, first_batch
+    from autotune._runtime.batch import batch_size_of
+
+    usable = budget_in_bytes(budget, device, what_if=what_if, device_memory=memory)
+    batch = first_batch(target)
+    rows = estimate_capacity(model=target.model, batch=batch, device=device, device_memory_bytes=memory,
+                             budget_bytes=usable, max_world_size=most, precisions=args.precision or None)
+    last = rows[-1]
+    if args.json:
+        print(json.dumps({"device": str(device), "what_if": what_if, "device_memory_bytes": memory,
+                          "usable_bytes": usable, "rows": [row.as_dict() for row in rows],
+                          "smallest": last.as_dict() if last.fits else None}, indent=2))
+        return _EXIT_OK
+    kind = f"{device}, what-if" if what_if else str(device)
+    lines = [f"devices of {format_bytes(memory)} ({kind}), {format_bytes(usable)} usable per rank"]
+    table = [("devices", "plan", "max micro", "peak per rank")]
+    for row in rows:
+        plan = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
+        table.append((str(row.world_size), plan if row.fits else f"none fits (closest: {plan}, micro 1)",
+                      str(row.max_micro_batch_size or "-"), format_bytes(row.estimate.predicted_peak_bytes)))
+    widths = [max(len(line[i]) for line in table) for i in range(4)]
+    lines += [f"{a:>{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}" for a, b, c, d in table]
+    if last.fits:
+        lines.append(f"smallest: {last.world_size} device(s) of {format_bytes(memory)}: {last.estimate.plan.describe()}"
+                     f" (of a batch of {batch_size_of(batch)} per rank)")
+    else:
+        lines.append(f"no plan fits {most} device(s) of {format_bytes(memory)}: try more devices, or a plan the "
+                     "default rows do not cover (offload, a smaller batch)")
+    notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)
+    print("\n".join([*lines, *(f"note: {note}" for note in notes)]))
+    return _EXIT_OK
+
+
+def _int_option(name: str, value: str | None, accepted: str) -> int | None:
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be {accepted}; got {value!r}")
+    return int(value)
+
+
+def _size_option(name: str, value: str | None) -> int | None:
+    from autotune._device.budget import Budget
+
+    if value is None:
+        return None
+    try:
+        parsed = Budget.parse(value)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.kind != "bytes":
+        raise ValueError(f"{name} must be a size like 80GiB, 24GB or a number of bytes; got {value!r}")
+    return int(parsed.value)  # type: ignore[arg-type]
 
 
 def format_estimate_table(rows: Sequence[Any]) -> str:

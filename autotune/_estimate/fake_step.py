@@ -19,6 +19,7 @@ from autotune._compat import (
     set_trainer_reference,
     storage_key,
 )
+from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
 
@@ -27,14 +28,13 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
-_CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this (MemTracker applies it)
-
-
-def step_tracker() -> Any:
+def step_tracker(*, cuda_rules: bool = False) -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
-    work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``)."""
-    workspace = Workspace()
-    tracker = peak_memory_tracker(workspace.bytes_of)
+    work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``).
+    ``cuda_rules``: a CPU trace of a CUDA step (every storage rounded as CUDA's allocator does, no CPU work buffers).
+    """
+    workspace = Workspace(cpu_kernels=not cuda_rules)
+    tracker = peak_memory_tracker(workspace.bytes_of, round_cuda if cuda_rules else None)
     tracker.workspace = workspace
     return tracker
 
@@ -131,11 +131,12 @@ def loss_of(model: nn.Module, output: Any) -> torch.Tensor:
     return loss
 
 
-def bytes_of(tensors: Iterable[Any], device: torch.device) -> int:
-    """Bytes of the distinct storages of the tensors on ``device`` (the rest ignored), rounded to 512 B on CUDA."""
+def bytes_of(tensors: Iterable[Any], device: torch.device, *, cuda_rules: bool = False) -> int:
+    """Bytes of the distinct storages of the tensors on ``device`` (the rest ignored), rounded to 512 B on CUDA (or
+    with ``cuda_rules``, a CPU trace of a CUDA step)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == device.type:
             nbytes = t.untyped_storage().nbytes()
-            seen[storage_key(t)] = math.ceil(nbytes / _CUDA_BLOCK) * _CUDA_BLOCK if t.is_cuda else nbytes
+            seen[storage_key(t)] = round_cuda(nbytes) if t.is_cuda or cuda_rules else nbytes
     return sum(seen.values())

@@ -36,14 +36,15 @@ def _calibrated_ops() -> tuple[Any, ...]:
 class Workspace:
     """The kernel work buffers of one traced step: bytes per call, and what was measured or left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels  # False: a CPU trace of a CUDA step, whose kernels are not the CPU's
         self.measured_calls: set[tuple[Any, ...]] = set()
         self.skipped_calls: set[tuple[Any, ...]] = set()
 
     def bytes_of(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, out: Any) -> int:
         """Bytes ``func(*args)`` holds inside its kernel on top of its inputs and outputs."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors or tensors[0].device.type != "cpu":
+        if not self.cpu_kernels or not tensors or tensors[0].device.type != "cpu":
             return 0
         if any(t.dtype in _LOW_PRECISION for t in tensors) and func in _calibrated_ops():
             key = _key(func, args, kwargs)

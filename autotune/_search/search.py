@@ -123,6 +123,7 @@ def search(
         raise ValueError(f"budget {parsed_budget} ({format_bytes(budget_bytes)}) is below the model's weights alone "
                          f"({format_bytes(weights)}); raise the budget")
     space_obj = load_space(space or default_space_name(dev)).for_device(dev, batch_size=batch_size)
+    tgt.check_runnable(next((d.choices for d in space_obj.dimensions if d.name == "strategy"), ("auto",)))
     stor = open_storage(storage)
     name = study or _study_name(target, parsed_budget, space_obj, dev)
     verbosity = optuna.logging.get_verbosity()

@@ -78,6 +78,23 @@ class Target:
     trainer_config: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
 
+    def check_runnable(self, strategies: tuple[str, ...] | list[str]) -> None:
+        """Refuse, in one line, to run a model built on the meta device (no weights) under plan strategies that need
+        its weights: only ``fsdp`` (``ModelParallelStrategy``) materialises a meta model (``to_empty`` and each
+        module's ``reset_parameters``). Estimates need no weights.
+
+        Raises:
+            TargetError: naming the strategies that cannot run the model.
+        """
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        needs_weights = sorted(set(strategies) - {"fsdp"})
+        if needs_weights and any(t.is_meta for t in tensors):
+            raise TargetError(
+                f"target '{self.spec}' builds its model on the meta device (no weights), and plans with strategy "
+                f"{', '.join(repr(s) for s in needs_weights)} run it as built: search a space whose plans shard "
+                "(strategy 'fsdp', under which Lightning materialises meta modules with reset_parameters), build the "
+                "weights, or use `autotune estimate`, which needs none")
+
     def batch_size(self) -> int:
         """The effective batch size: ``batch_size`` of the datamodule, of the model, or of the train dataloader.
 

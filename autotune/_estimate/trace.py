@@ -1,0 +1,373 @@
+"""How the estimator traces one training step of a plan (:mod:`autotune._estimate.estimate` is the public side).
+
+The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
+(:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
+every storage under parameters, gradients, optimizer state, activations or temporaries while it lives. The step is
+Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes the
+optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones of
+``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are those at
+that moment. Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for
+CPU convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
+buffers depend on the processor; ``Estimate.notes`` says so). On CUDA the rules of :mod:`autotune._estimate.cuda_rules`
+apply: each allocation rounded up to 512 B, the cuBLAS workspaces in the overhead, the CUDA context beside the peak
+(``context_bytes``); a CUDA device this machine does not have (``device="cuda"`` without CUDA) is estimated *what-if*:
+traced on the CPU with those rules and CUDA's autocast op lists. The overhead also holds DDP's gradient buckets and
+the runtime's averaging buffers under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the
+CPU ``save_on_cpu`` keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update
+of the parameters torchao offloads runs on the host: the device keeps their gradients, the host their pinned copies,
+gradients and optimizer state (``host_bytes``). ``compile`` is not traced: the estimate is the eager step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
+from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
+from autotune._runtime.batch import batch_size_of, slice_batch
+from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
+from autotune._estimate.sharding import rank_state
+from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
+from autotune._estimate.fake_step import (
+    OptimizerFactory,
+    bytes_of,
+    convert_model,
+    fake_batch,
+    like_cuda_run,
+    loss_of,
+    offloaded_host_bytes,
+    optimizers_of,
+    precision_plugin,
+    step_tracker,
+)
+from autotune._runtime.offload import device_part, is_offloaded
+from autotune._plan.plan import Plan
+from autotune._device.probe import DeviceSpec, resolve_device
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+
+__all__ = ["Estimate", "Traces", "estimate_device"]
+
+_TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The predicted peak memory of one training step with a plan on one micro-batch, and what it is made of.
+
+    The six ``*_bytes`` categories are taken at the moment of the peak and add up to ``predicted_peak_bytes``.
+
+    Attributes:
+        plan: The plan traced, its ``micro_batch_size`` set to the micro-batch traced.
+        micro_batch_size: Samples in the traced micro-batch (one rank's).
+        device: The device estimated for (``"cpu"``, ``"cuda:0"``).
+        world_size: The ranks the plan runs on; the figures are one rank's (see :mod:`autotune._estimate.sharding`).
+        gathered_bytes: Under ``strategy="fsdp"``, the part of the parameter and gradient bytes that is gathered
+            units (not model state): the rest of those two and the optimizer state are this rank's shards.
+        parameters_bytes: Parameters and buffers.
+        gradients_bytes: Gradients alive at the peak (this step's, or the previous step's during the forward).
+        optimizer_state_bytes: The optimizer's state (Adam's moments, momentum buffers).
+        activations_bytes: Tensors made in the forward and still alive (mostly saved for backward), and the batch.
+        temporaries_bytes: Other tensors made in the backward and the update, and kernels' work buffers.
+        overhead_bytes: What the runtime holds besides tensors and counts in its peak (see the module notes).
+        predicted_peak_bytes: The peak: the sum of the six categories.
+        host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations, and the copies and
+            optimizer state of ``optimizer_offload``); 0 on the CPU.
+        context_bytes: On CUDA, device memory the process holds outside the caching allocator (the CUDA context,
+            :data:`autotune._estimate.cuda_rules.CUDA_CONTEXT_BYTES`): not in the peak, which is what
+            ``max_memory_allocated`` reports, but not free for it either; 0 on the CPU.
+        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each.
+
+    Example:
+        >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
+        >>> e.fits(8 * 2**30), sum(e.breakdown().values()) == e.predicted_peak_bytes  # doctest: +SKIP
+        (True, True)
+    """
+
+    plan: Plan
+    micro_batch_size: int
+    device: str
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    temporaries_bytes: int
+    overhead_bytes: int
+    predicted_peak_bytes: int
+    host_bytes: int = 0
+    notes: tuple[str, ...] = ()
+    world_size: int = 1
+    gathered_bytes: int = 0
+    context_bytes: int = 0
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the predicted peak is at most ``budget_bytes``."""
+        return self.predicted_peak_bytes <= budget_bytes
+
+    def breakdown(self) -> dict[str, int]:
+        """The six categories (``"parameters"`` ... ``"overhead"``) in bytes; they add up to the peak."""
+        return {name: getattr(self, f"{name}_bytes") for name in _CATEGORIES}
+
+
+def estimate_device(device: DeviceSpec) -> tuple[torch.device, bool]:
+    """The device to estimate for, and whether it is what-if (a CUDA device on a machine without CUDA); ValueError
+    for a spec that is not a device (see :func:`autotune._device.probe.resolve_device`)."""
+    if not torch.cuda.is_available() and not isinstance(device, bool):
+        if isinstance(device, int) and device >= 0:
+            return torch.device("cuda", device), True
+        if isinstance(device, (str, torch.device)):
+            try:
+                parsed = torch.device(device)
+            except RuntimeError:
+                parsed = None
+            if parsed is not None and parsed.type == "cuda":
+                return torch.device("cuda", parsed.index or 0), True
+    return resolve_device(device), False
+
+
+# ---------------------------------------------------------------------------------------------------------- tracing
+
+
+class Traces:
+    """Estimates of one model, batch and plan at any micro-batch and world size, each micro-batch traced once (the
+    world size changes the closed-form parts only)."""
+
+    def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
+                 optimizer: OptimizerFactory | None, world_size: int | None = None) -> None:
+        if plan.precision not in _TRACEABLE_PRECISIONS:
+            raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
+                             f"got {plan.precision!r}")
+        if not getattr(model, "automatic_optimization", True):
+            raise ValueError(f"{type(model).__name__} uses manual optimization, which the estimator cannot trace")
+        size = batch_size_of(batch)
+        if not size:
+            raise ValueError("batch holds no tensor with a batch dimension; the estimator needs a training batch")
+        self.model, self.batch, self.plan, self.optimizer, self.size = model, batch, plan, optimizer, size
+        self.device, self.what_if = estimate_device(device)
+        self.trace_device = torch.device("cpu") if self.what_if else self.device  # where the fake step runs
+        if plan.optimizer_offload and (self.device.type != "cuda" or self.what_if):
+            raise ValueError("optimizer_offload moves optimizer state from a CUDA GPU to the host; estimate it for a "
+                             "CUDA device on a machine that has one, or set optimizer_offload=False")
+        self.world_size = _world_size(world_size, plan)
+        self._done: dict[int, _Traced] = {}
+
+    def at(self, micro: int, world_size: int | None = None) -> Estimate:
+        """The estimate at ``micro`` samples per rank over ``world_size`` ranks (None: the one given at creation)."""
+        if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= self.size:
+            raise ValueError(f"micro_batch_size must be an int in 1..{self.size} (the batch size); got {micro!r}")
+        world = self.world_size if world_size is None else _world_size(world_size, self.plan)
+        if micro not in self._done:
+            self._done[micro] = _trace(self, micro)
+        return self._done[micro].over(world, self.plan)
+
+    def largest_fit(self, budget_bytes: int, world_size: int | None = None) -> int | None:
+        """The largest m in 1..size whose peak fits, for a peak that grows with m."""
+        peak: Callable[[int], int] = lambda m: self.at(m, world_size).predicted_peak_bytes  # noqa: E731
+        if peak(1) > budget_bytes:
+            return None
+        lo, hi = 1, self.size  # lo fits, hi does not
+        if peak(hi) <= budget_bytes:
+            return hi
+        bisect = False
+        while hi - lo > 1:
+            width = hi - lo
+            slope = (peak(hi) - peak(lo)) / width
+            guess = (lo + hi) // 2 if bisect or slope <= 0 else lo + int((budget_bytes - peak(lo)) / slope)
+            guess = min(max(guess, lo + 1), hi - 1)
+            lo, hi = (guess, hi) if peak(guess) <= budget_bytes else (lo, guess)
+            bisect = not bisect and hi - lo > width // 2
+        return lo
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """One traced micro-batch: its estimate on one rank, and what the ranks change (``over``)."""
+
+    estimate: Estimate  # one rank alone: the whole model state, no DDP buffers
+    update_temporaries: int  # of temporaries: the update's, made per state tensor (sharded with it)
+    gradient_bytes: int  # of the trained parameters (DDP's buckets)
+    model: Any  # the fake model and optimizers, for the shards' closed form
+    optimizers: list[Any]
+    master_dtype: torch.dtype | None
+
+    def over(self, world_size: int, plan: Plan) -> Estimate:
+        """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging
+        buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`)."""
+        e = self.estimate
+        if plan.strategy != "fsdp":
+            replicated = plan.strategy == "ddp" or world_size > 1
+            extra = self.gradient_bytes + min(self.gradient_bytes, 2 * GRADIENT_BUCKET_BYTES) if replicated else 0
+            return dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra,
+                                       predicted_peak_bytes=e.predicted_peak_bytes + extra, world_size=world_size)
+        sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
+                             reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+        parts = {"parameters_bytes": sharded.parameters, "gradients_bytes": sharded.gradients,
+                 "optimizer_state_bytes": sharded.optimizer_state,  # each rank updates its shards only
+                 "temporaries_bytes": e.temporaries_bytes - self.update_temporaries
+                 + self.update_temporaries // world_size}
+        peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
+        return dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=sharded.gathered,
+                                   host_bytes=e.host_bytes + sharded.host, world_size=world_size)
+
+
+def _trace(traces: Traces, micro: int) -> _Traced:
+    plan, device, size, what_if = traces.plan, traces.trace_device, traces.size, traces.what_if
+    precision = precision_plugin(plan.precision, device)
+    if what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
+        low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
+        autocast: Callable[[], Any] = lambda: CudaAutocast(low)  # noqa: E731
+    else:  # CPU autocast: checkpointing re-enters it to recompute
+        low, autocast = None, precision.forward_context if precision is not None else contextlib.nullcontext
+    in_backward = [False]
+    part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
+    accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
+    mode = fake_tensor_mode(allow_non_fake_inputs=True)
+    trainer = trainer_reference(traces.model)
+    with fake_copy_mode(mode):
+        fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
+    with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
+        warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
+        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
+        # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16, with
+        # the fp32 master shards in closed form (rank_state)
+        gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
+        convert_model(fake, device, torch.bfloat16 if gathered_bf16 else precision_input_dtype(precision))
+        fake.train()
+        if plan.activation_checkpointing:
+            blocks = select_blocks(fake, plan.activation_checkpointing)
+            if low is not None:
+                _recompute_under(blocks, low, in_backward)
+            checkpoint_blocks(blocks)
+        optimizers = optimizers_of(fake, traces.optimizer, traces.device)
+        offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
+        host_bytes = offloaded_host_bytes(optimizers) if offloaded else 0
+        if offloaded:  # the device runs the update of the small parameters only
+            optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
+        inputs, input_tensors = fake_batch(mode, part, device, precision)
+
+        def step(*, zero_grad: bool) -> None:  # forward (last gradients alive), zero_grad, backward, update
+            with _offload(plan, what_if):
+                with autocast():
+                    loss = loss_of(fake, fake.training_step(inputs, 0))
+                if zero_grad:
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    for p in offloaded:
+                        p.grad = None
+                in_backward[0] = True
+                try:
+                    loss.backward()
+                finally:
+                    in_backward[0] = False
+            del loss
+            for opt in optimizers:
+                opt.step()
+
+        try:
+            step(zero_grad=True)  # the first step makes the gradients and the optimizer state
+            tracker = step_tracker(cuda_rules=what_if)
+            tracker.track_external(fake, *optimizers, *input_tensors)
+            before = tracker.get_tracker_snapshot()
+            with tracker:
+                step(zero_grad=not accumulate)
+        except (RuntimeError, NotImplementedError, TypeError) as error:
+            message = " ".join(str(error).split())[:300]
+            raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
+                             f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "
+                             "tensor values (such as .item() or data-dependent shapes)") from error
+        state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
+                               cuda_rules=what_if)
+        grad_bytes = bytes_of((p for p in fake.parameters() if p.requires_grad), device, cuda_rules=what_if)
+    estimate, update_temporaries = _estimate_from(
+        tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device, target=traces.device,
+        what_if=what_if, state_bytes=state_bytes, extra_host=host_bytes)
+    notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ())
+    return _Traced(dataclasses.replace(estimate, notes=notes), update_temporaries, grad_bytes, fake, optimizers,
+                   torch.float32 if gathered_bf16 else None)
+
+
+_WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "
+                 "autocast op lists and cuBLAS workspaces (compute capability 9.x); CUDA kernels' own scratch and "
+                 "the allocator's fragmentation are not counted")
+
+
+def _recompute_under(blocks: list[Any], low: torch.dtype, in_backward: list[bool]) -> None:
+    """Checkpointing recomputes a block in backward under the forward's autocast state, which it re-enters for
+    ``torch.autocast`` but not for a function mode: each block's forward enters CUDA's autocast itself while
+    ``in_backward[0]`` (casts not cached: each recomputation makes its own)."""
+    for block in blocks:
+        original = block.forward
+
+        def forward(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            if not in_backward[0]:
+                return __original(*args, **kwargs)
+            with CudaAutocast(low, cache=False):
+                return __original(*args, **kwargs)
+
+        block.forward = forward
+
+
+def _offload(plan: Plan, what_if: bool) -> Any:
+    """Activation offload as a run does it; in a what-if trace, saved tensors go to the meta device (the host)."""
+    if not plan.activation_offload:
+        return contextlib.nullcontext()
+    if not what_if:
+        return offload_activations(pin_memory=False)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.to("meta")),
+                                                    lambda packed: packed[1].to(packed[0]))
+
+
+def _world_size(world_size: int | None, plan: Plan) -> int:
+    """The ranks to estimate for: ``world_size``, else the plan's devices, else 1; ValueError naming a bad one."""
+    if world_size is None:
+        world_size = plan.devices or 1
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    if plan.devices is not None and plan.devices != world_size:
+        raise ValueError(f"world_size {world_size} differs from the plan's devices {plan.devices}; give one")
+    if plan.strategy == "fsdp" and world_size == 1 and not plan.cpu_offload:
+        raise ValueError("strategy 'fsdp' over world_size 1 shards nothing; estimate it with world_size >= 2 (or "
+                         "cpu_offload=True), or use strategy 'auto'")
+    return world_size
+
+
+def _estimate_from(snapshot: Mapping[torch.device, Any], before: Mapping[torch.device, Any], *, plan: Plan, micro: int,
+                   device: torch.device, target: torch.device, what_if: bool, state_bytes: int,
+                   extra_host: int) -> tuple[Estimate, int]:
+    """The estimate from the tracker's peak snapshot, and the update's temporaries in it."""
+    Ref = mem_ref_types()
+
+    here: Mapping[Any, int] = next((snap for dev, snap in snapshot.items() if dev.type == device.type), {})
+    host = sum(max(0, snap.get("Total", 0) - before.get(dev, {}).get("Total", 0))  # what the step adds there
+               for dev, snap in snapshot.items() if dev.type != device.type)
+    made_in_update = int(here.get(Ref.OPT, 0))
+    state = min(made_in_update, state_bytes)  # the rest of what the update made is its temporaries
+    parts = {
+        "parameters_bytes": int(here.get(Ref.PARAM, 0) + here.get(Ref.BUFFER, 0)),
+        "gradients_bytes": int(here.get(Ref.GRAD, 0)),
+        "optimizer_state_bytes": state,
+        "activations_bytes": int(here.get(Ref.ACT, 0) + here.get(Ref.OTH, 0)),
+        # with the update's own temporaries (foreach optimizers: about one per state tensor)
+        "temporaries_bytes": int(here.get(Ref.TEMP, 0)) + made_in_update - state,
+        "overhead_bytes": 0,
+    }
+    context = 0
+    if target.type == "cuda":
+        parts["overhead_bytes"] += cublas_workspace_bytes(None if what_if else torch.cuda.get_device_capability(target))
+        context = CUDA_CONTEXT_BYTES
+    return Estimate(plan=plan.replace(micro_batch_size=micro), micro_batch_size=micro, device=str(target),
+                    predicted_peak_bytes=sum(parts.values()), host_bytes=host + extra_host, context_bytes=context,
+                    **parts), made_in_update - state
+
+
