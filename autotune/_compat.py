@@ -432,3 +432,24 @@ def journal_file_path(storage: Any) -> str | None:
     None. If either changed, workers seeding one study through a journal file would not take the shared lock, and
     could enqueue the same seed trials twice."""
     return getattr(getattr(storage, "_backend", None), "_file_path", None)
+
+
+# ------------------------------------------------------------------------------------------------------ torchao
+
+def torchao_bf16_adamw() -> Any:
+    """torchao's full-width AdamW that can round bf16 updates stochastically (``torchao.optim._AdamW``, exported
+    under a private name). If it were removed, ``precision="bf16-true"`` runs would keep the user's optimizer."""
+    import torchao.optim
+
+    return torchao.optim._AdamW
+
+
+def set_activation_memory_budget(budget: float) -> Any:
+    """Set the compiler's activation-memory budget (``torch._functorch.config.activation_memory_budget``: the share
+    of the activations the partitioner may save, recomputing the rest) for graphs compiled from now on; returns
+    the previous value. If it were renamed, ``compile_memory_budget`` would fail at setup."""
+    import torch._functorch.config as functorch_config
+
+    previous = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = budget
+    return previous

@@ -22,7 +22,8 @@ from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_
 from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
 from autotune._runtime.shard import shard_model
 from autotune._runtime.sync import fsdp_modules
-from autotune._compat import set_cuda_allocator_settings
+from autotune._compat import set_activation_memory_budget, set_cuda_allocator_settings
+from autotune._runtime.optim_state import INSTALL_HINT as TORCHAO_HINT, LowBitOptimizer, low_bit_optimizers
 from autotune._plan.plan import Plan, Provenance
 
 log = logging.getLogger("autotune")
@@ -48,7 +49,14 @@ class ApplyPlan(Callback):
         activation_offload: keep the tensors saved for backward on the host during training steps.
         optimizer_offload: run the optimizers from ``configure_optimizers`` with their state on the host and their
             update on the CPU (torchao's ``CPUOffloadOptimizer``, one CUDA GPU); LR schedulers keep working.
+        optimizer_state: ``"full"`` keeps the optimizers; ``"8bit"`` or ``"4bit"`` runs each Adam and AdamW with its
+            moments in 8 or 4 bits (torchao), keeping its hyper-parameters, groups and LR schedulers; any other
+            optimizer is refused. Under ``precision="bf16-true"`` Adam and AdamW round their bf16 updates
+            stochastically (torchao).
         compile: ``torch.compile`` each repeated block in place.
+        compile_memory_budget: with ``compile``, the share of activations the compiler keeps for backward (its
+            partitioner recomputes the rest); set from ``setup`` to teardown.
+        float8: convert the linear layers to torchao's float8 training (CUDA, compute capability 8.9 or newer).
         reshard_after_forward: under FSDP2, free each block's gathered parameters after its forward (ZeRO-3 style);
             False keeps them until its backward (ZeRO-2 style).
         cpu_offload: under FSDP2, keep parameters, gradients and optimizer state on the host (``CPUOffloadPolicy``;
@@ -72,7 +80,10 @@ class ApplyPlan(Callback):
         activation_checkpointing: float | list[str] = 0.0,
         activation_offload: bool = False,
         optimizer_offload: bool = False,
+        optimizer_state: str = "full",
         compile: bool = False,
+        compile_memory_budget: float | None = None,
+        float8: bool = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         expandable_segments: bool = False,
@@ -81,7 +92,8 @@ class ApplyPlan(Callback):
         provenance: dict[str, Any] | None = None,
     ) -> None:
         settings = {"activation_checkpointing": activation_checkpointing, "activation_offload": activation_offload,
-                    "optimizer_offload": optimizer_offload, "compile": compile,
+                    "optimizer_offload": optimizer_offload, "optimizer_state": optimizer_state, "compile": compile,
+                    "compile_memory_budget": compile_memory_budget, "float8": float8,
                     "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload,
                     "expandable_segments": expandable_segments, "num_workers": num_workers, "pin_memory": pin_memory}
         self.plan = Plan.from_dict(settings, provenance=Provenance.from_dict(provenance or {}))
@@ -100,6 +112,8 @@ class ApplyPlan(Callback):
         self._warn_if_other_device(device)
         if plan.optimizer_offload and stage == "fit":
             _check_optimizer_offload(trainer)
+        if plan.float8:
+            _to_float8(pl_module, device)
         if plan.activation_checkpointing:
             self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
             self._undo.append(checkpoint_blocks(self.checkpointed))
@@ -107,6 +121,9 @@ class ApplyPlan(Callback):
                      type(self.checkpointed[0]).__name__ if self.checkpointed else "-")
         if plan.compile:
             self.compiled = compile_blocks(pl_module)
+        if plan.compile_memory_budget is not None:  # read when a graph compiles: at the first steps
+            previous = set_activation_memory_budget(plan.compile_memory_budget)
+            self._undo.append(lambda: set_activation_memory_budget(previous))
         self._setup_sharding(trainer, pl_module)
         datamodule = trainer.datamodule
         for name in ("num_workers", "pin_memory"):
@@ -182,6 +199,16 @@ class ApplyPlan(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        bf16_weights = trainer.precision == "bf16-true"
+        if self.plan.optimizer_state != "full" or bf16_weights:  # the optimizers exist; checkpoints load later
+            try:
+                trainer.strategy.optimizers = low_bit_optimizers(
+                    trainer.strategy.optimizers, state=self.plan.optimizer_state, bf16_weights=bf16_weights)
+            except (ValueError, ImportError) as error:
+                raise MisconfigurationException(f"ApplyPlan: {error}") from None
+            changed = [opt for opt in trainer.strategy.optimizers if isinstance(opt, LowBitOptimizer)]
+            if changed:
+                log.info("autotune: optimizer update by torchao: %s", changed)
         if self.plan.optimizer_offload:  # the optimizers exist now, and their checkpointed state is not loaded yet
             trainer.strategy.optimizers = offload_optimizers(
                 trainer.strategy.optimizers, refresh_grads=_grads_change_after_backward(trainer, pl_module))
@@ -232,6 +259,23 @@ class ApplyPlan(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")
+
+
+def _to_float8(pl_module: LightningModule, device: torch.device) -> None:
+    """torchao's float8 training for the linear layers whose dimensions FP8 kernels take (multiples of 16)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise MisconfigurationException(
+            f"ApplyPlan(float8=True) runs matrix products in FP8, which needs a CUDA GPU of compute capability 8.9 or "
+            f"newer (Ada, Hopper); this run is on {device}. Set float8=False.")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise MisconfigurationException(f"ApplyPlan(float8=True) needs torchao: {TORCHAO_HINT}") from None
+
+    def fits(module: torch.nn.Module, name: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(pl_module, module_filter_fn=fits)
 
 
 def _check_optimizer_offload(trainer: Trainer) -> None:

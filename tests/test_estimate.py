@@ -300,11 +300,12 @@ def test_cli_prints_a_row_per_plan(capsys, target):
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == "device cpu, batch 8, budget 1.00 GiB"
-    assert lines[1].split() == ["plan", "micro", "predicted", "peak", "fits", "max", "micro"]
+    assert lines[1].split() == ["plan", "micro", "predicted", "peak", "fits", "max", "micro", "state/param"]
     assert [line.split("  ")[0] for line in lines[2:]] == ["32-true", "32-true, ckpt 1.0"]
     for line in lines[2:]:
-        *_, micro, _, unit, fits, best = line.split()
+        *_, micro, _, unit, fits, best, per_param, _ = line.split()
         assert (micro, unit, fits, best) == ("8", "KiB", "yes", "8")
+        assert 16.0 <= float(per_param) <= 16.1  # fp32 AdamW: 4 + 4 + 8 bytes, and Adam's 0-dim steps
 
 
 def test_cli_json_rows_have_plan_fields_and_the_fit(capsys, target, tmp_path):

@@ -129,3 +129,40 @@ def test_tuned_file_runs_through_lightning_cli(tmp_path: Path, monkeypatch: pyte
     [apply] = [c for c in trainer.callbacks if isinstance(c, ApplyPlan)]
     assert elastic.micro_batch_size == 8
     assert len(apply.checkpointed) == 2 and type(apply.checkpointed[0]).__name__ == "Block"
+
+
+def test_low_bit_and_compiler_fields_are_validated_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^invalid plan: optimizer_state must be one of full, 8bit, 4bit; got '2bit'$"):
+        Plan(optimizer_state="2bit")
+    with pytest.raises(ValueError, match="compile_memory_budget is the compiler's; it needs compile=True"):
+        Plan(compile_memory_budget=0.5)
+    with pytest.raises(ValueError, match=r"compile_memory_budget must be a fraction in \[0, 1\] or None; got 1.5"):
+        Plan(compile=True, compile_memory_budget=1.5)
+    with pytest.raises(ValueError, match="optimizer_state '8bit' and optimizer_offload both replace the optimizer"):
+        Plan(optimizer_state="8bit", optimizer_offload=True)
+    plan = Plan(optimizer_state="8bit", compile=True, compile_memory_budget=0, float8=True)
+    assert plan.compile_memory_budget == 0.0 and isinstance(plan.compile_memory_budget, float)
+    assert plan.describe() == "32-true, micro all, compile, float8, 8bit state, compile budget 0"
+
+
+def test_gpu_spaces_drop_fp8_and_low_bit_state_where_they_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    import torch
+
+    from autotune import load_space
+
+    def dims(space):
+        return {d.name: d.choices for d in space.dimensions}
+
+    cpu = torch.device("cpu")
+    space = load_space("default").for_device(cpu, batch_size=32)
+    assert dims(space)["float8"] == (False,)
+    assert "float8=True dropped: FP8 needs a GPU of compute capability 8.9 or newer" in space.notes
+    assert "bf16-true" in dims(space)["precision"] and dims(space)["compile_memory_budget"] == (None, 0.5, 0.0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    without = load_space("multi_gpu").for_device(cpu, batch_size=32)
+    assert dims(without)["optimizer_state"] == ("full",)
+    assert ("optimizer_state='8bit' dropped: the torchao package is not installed "
+            "(pip install 'lightning-autotune[torchao]')") in without.notes

@@ -19,14 +19,16 @@ from autotune._search.trial import TrialSpec
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
 # Every field set away from its default; optimizer offload runs on one device, so the DDP plan leaves it off and a
-# second plan sets it; the sharding fields need strategy fsdp (a third plan). The space writes the checkpointing
+# second plan sets it (and low-bit state, which replaces the optimizer too, goes in the others); the sharding fields
+# need strategy fsdp (a third plan). The space writes the checkpointing
 # fraction as 1 (an int) on purpose: it must become 1.0. ``devices`` is the search's argument, not a space dimension.
 PLANS = {
     "fsdp": dict(precision="bf16-mixed", strategy="fsdp", devices=2, reshard_after_forward=False, cpu_offload=True,
-                 micro_batch_size=8, activation_checkpointing=["Linear"], compile=True, num_workers=0),
+                 micro_batch_size=8, activation_checkpointing=["Linear"], compile=True, num_workers=0,
+                 optimizer_state="8bit"),
     "ddp": dict(precision="bf16-mixed", strategy="ddp", micro_batch_size=4, activation_checkpointing=1,
-                activation_offload=True, optimizer_offload=False, compile=True, expandable_segments=True,
-                num_workers=2, pin_memory=False),
+                activation_offload=True, optimizer_offload=False, compile=True, compile_memory_budget=0.5,
+                float8=True, expandable_segments=True, num_workers=2, pin_memory=False, optimizer_state="4bit"),
     "one-device": dict(precision="16-mixed", strategy="auto", micro_batch_size=2, activation_checkpointing=0.5,
                        activation_offload=True, optimizer_offload=True, compile=True, expandable_segments=True,
                        num_workers=1, pin_memory=True),

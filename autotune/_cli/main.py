@@ -94,6 +94,8 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", nargs="+", action="extend", default=[], metavar="P",
                         help="precisions to estimate, each with and without checkpointing, and with --world-size N > 1 "
                         "each replicated (ddp) and sharded (fsdp) (default without --plan: 32-true and bf16-mixed)")
+    parser.add_argument("--optimizer-state", nargs="+", action="extend", default=[], metavar="S",
+                        help="optimizer states of the default rows: full, 8bit, 4bit (default: full)")
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
                         help="micro-batch of every row (default: the plan's, else the whole batch)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one); "
@@ -130,8 +132,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
         raise ValueError("--max-world-size chooses the world size, the plan and the micro-batch: drop --world-size, "
                          "--micro-batch-size and --plan")
     plans = [load_plan(path) for path in args.plan]
-    if args.precision or not plans:
-        plans += default_plans(precisions=args.precision or None, world_size=world or 1)
+    if args.precision or args.optimizer_state or not plans:
+        plans += default_plans(precisions=args.precision or None, world_size=world or 1,
+                               optimizer_states=args.optimizer_state or ("full",))
     if args.target is None and args.config is None:
         raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
                          "or --config")
@@ -221,15 +224,16 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     ranks = f", per rank of {first.estimate.world_size}" if first.estimate.world_size > 1 else ""
     header = (f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
               f"{ranks}")
-    table = [("plan", "micro", "predicted peak", "fits", "max micro")]
+    table = [("plan", "micro", "predicted peak", "fits", "max micro", "state/param")]
     for row in rows:
         label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
         best = row.max_micro_batch_size
         table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.estimate.predicted_peak_bytes),
-                      "yes" if row.fits else "no", "none fits" if best is None else str(best)))
-    widths = [max(len(line[i]) for line in table) for i in range(5)]
+                      "yes" if row.fits else "no", "none fits" if best is None else str(best),
+                      f"{row.state_bytes_per_parameter:.2f} B"))
+    widths = [max(len(line[i]) for line in table) for i in range(6)]
     lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
-             f"{line[4]:>{widths[4]}}".rstrip() for line in table]
+             f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}".rstrip() for line in table]
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 

@@ -37,6 +37,13 @@ class TargetEstimate:
     batch_size: int
     budget_bytes: int
     max_micro_batch_size: int | None
+    parameter_count: int = 0
+
+    @property
+    def state_bytes_per_parameter(self) -> float:
+        """One rank's model state (``Estimate.model_state_bytes``) per parameter of the model: 16 for fp32 AdamW,
+        about 10 with 8-bit moments, 16 / N sharded over N ranks."""
+        return self.estimate.model_state_bytes / self.parameter_count if self.parameter_count else 0.0
 
     @property
     def fits(self) -> bool:
@@ -52,6 +59,7 @@ class TargetEstimate:
                 "host_bytes": self.estimate.host_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
                 "max_micro_batch_size": self.max_micro_batch_size, "world_size": self.estimate.world_size,
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
+                "state_bytes_per_parameter": self.state_bytes_per_parameter,
                 "notes": list(self.estimate.notes)}
 
 
@@ -110,13 +118,15 @@ def max_micro_batch_size(
                    world_size=world_size).largest_fit(budget_bytes)
 
 
-def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 1) -> list[Plan]:
-    """Each precision (default 32-true and bf16-mixed) with no and full checkpointing, and over several ranks both
-    replicated (ddp) and sharded (fsdp); ValueError for a bad precision."""
+def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 1,
+                  optimizer_states: Sequence[str] = ("full",)) -> list[Plan]:
+    """Each precision (default 32-true and bf16-mixed) and optimizer state with no and full checkpointing, and over
+    several ranks both replicated (ddp) and sharded (fsdp); ValueError for a bad precision or state."""
     layouts: list[dict[str, Any]] = [{}] if world_size <= 1 else [
         {"strategy": "ddp"}, {"strategy": "fsdp", "devices": world_size}]
-    return [Plan(precision=p, activation_checkpointing=c, **layout) for p in precisions or ("32-true", "bf16-mixed")
-            for layout in layouts for c in (0.0, 1.0)]
+    return [Plan(precision=p, optimizer_state=o, activation_checkpointing=c, **layout)
+            for p in precisions or ("32-true", "bf16-mixed") for o in optimizer_states for layout in layouts
+            for c in (0.0, 1.0)]
 
 
 def estimate_target(
@@ -137,13 +147,14 @@ def estimate_target(
     resolved, what_if = estimate_device(device)
     budget_bytes = budget_in_bytes(Budget.parse(budget), resolved, what_if=what_if, device_memory=device_memory_bytes)
     batch = first_batch(target)
+    count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     rows = []
     for plan in plans:
         traces = Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
                          world_size=world_size)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
-                                   max_micro_batch_size=traces.largest_fit(budget_bytes)))
+                                   max_micro_batch_size=traces.largest_fit(budget_bytes), parameter_count=count))
     return rows
 
 

@@ -22,6 +22,7 @@ from autotune._compat import (
 from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
+from autotune._runtime.optim_state import replaces, state_tensor_bytes
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -140,3 +141,43 @@ def bytes_of(tensors: Iterable[Any], device: torch.device, *, cuda_rules: bool =
             nbytes = t.untyped_storage().nbytes()
             seen[storage_key(t)] = round_cuda(nbytes) if t.is_cuda or cuda_rules else nbytes
     return sum(seen.values())
+
+
+class LowBitStandIn(torch.optim.Optimizer):
+    """torchao's update (low-bit Adam, or AdamW rounding bf16 stochastically) as the estimator traces it: the state
+    tensors torchao stores, made at the first update (per moment: codes, scales and code map, or a full-width buffer
+    for small tensors; see :func:`autotune._runtime.optim_state.state_tensor_bytes`), and an update that allocates
+    nothing more (torchao fuses each parameter's update into one compiled kernel)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, state: str) -> None:
+        super().__init__([{"params": list(g["params"]), "amsgrad": bool(g.get("amsgrad"))}
+                          for g in optimizer.param_groups], {})
+        self.kind = state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if group["amsgrad"] else 2]
+            for p in group["params"]:
+                if p.grad is None or self.state[p]:
+                    continue
+                state = self.state[p]
+                state["step"] = torch.zeros((), device=p.device)
+                for name in moments:
+                    state[name] = torch.empty(state_tensor_bytes(p.numel(), p.element_size(), self.kind),
+                                              dtype=torch.uint8, device=p.device)
+
+    def rank_state_bytes(self, param: torch.Tensor, world_size: int, master_dtype: torch.dtype | None) -> int:
+        """One rank's bytes of ``param``'s state under FSDP2: the moments of its shard (dim 0 cut in padded chunks)."""
+        width = torch.empty((), dtype=master_dtype).element_size() if master_dtype is not None else param.element_size()
+        rows = math.ceil(param.shape[0] / world_size) if param.dim() else 1
+        local = rows * math.prod(param.shape[1:]) if param.dim() else 1
+        moments = sum(1 for name in self.state[param] if name != "step")
+        return 4 + moments * state_tensor_bytes(local, width, self.kind)
+
+
+def with_optimizer_state(optimizers: list[Any], state: str, bf16_weights: bool) -> list[Any]:
+    """The optimizers a run with ``optimizer_state`` (and bf16 weights) steps: torchao's where it replaces one
+    (:class:`LowBitStandIn`), else the user's; ValueError for an optimizer it refuses."""
+    return [LowBitStandIn(opt, state) if replaces(opt, state=state, bf16_weights=bf16_weights) else opt
+            for opt in optimizers]

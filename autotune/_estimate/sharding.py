@@ -55,7 +55,11 @@ def rank_state(model: nn.Module, optimizers: list[Any], *, world_size: int, resh
     grad_shards = sum(shard_bytes(p, world_size, master_dtype) for p in trained)
     state_shards = 0
     for opt in optimizers:
+        per_rank = getattr(opt, "rank_state_bytes", None)  # state not shaped like the parameter (low-bit)
         for p, state in opt.state.items():
+            if per_rank is not None:
+                state_shards += per_rank(p, world_size, master_dtype)
+                continue
             for t in state.values():
                 if isinstance(t, torch.Tensor):
                     whole = t.dim() == 0 or id(p) not in by_param or t.shape != p.shape

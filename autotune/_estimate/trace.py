@@ -47,6 +47,7 @@ from autotune._estimate.fake_step import (
     optimizers_of,
     precision_plugin,
     step_tracker,
+    with_optimizer_state,
 )
 from autotune._runtime.offload import device_part, is_offloaded
 from autotune._plan.plan import Plan
@@ -84,6 +85,8 @@ class Estimate:
         predicted_peak_bytes: The peak: the sum of the six categories.
         host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations, and the copies and
             optimizer state of ``optimizer_offload``); 0 on the CPU.
+        model_state_bytes: The rank's model state through the step (weights, all gradients, optimizer state; not the
+            gathered units), whatever of it is alive at the peak.
         context_bytes: On CUDA, device memory the process holds outside the caching allocator (the CUDA context,
             :data:`autotune._estimate.cuda_rules.CUDA_CONTEXT_BYTES`): not in the peak, which is what
             ``max_memory_allocated`` reports, but not free for it either; 0 on the CPU.
@@ -110,6 +113,7 @@ class Estimate:
     world_size: int = 1
     gathered_bytes: int = 0
     context_bytes: int = 0
+    model_state_bytes: int = 0
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the predicted peak is at most ``budget_bytes``."""
@@ -208,7 +212,8 @@ class _Traced:
         if plan.strategy != "fsdp":
             replicated = plan.strategy == "ddp" or world_size > 1
             extra = self.gradient_bytes + min(self.gradient_bytes, 2 * GRADIENT_BUCKET_BYTES) if replicated else 0
-            return dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra,
+            state = e.parameters_bytes + self.gradient_bytes + e.optimizer_state_bytes
+            return dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra, model_state_bytes=state,
                                        predicted_peak_bytes=e.predicted_peak_bytes + extra, world_size=world_size)
         sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
                              reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
@@ -217,8 +222,10 @@ class _Traced:
                  "temporaries_bytes": e.temporaries_bytes - self.update_temporaries
                  + self.update_temporaries // world_size}
         peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
+        state = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered + sharded.host
         return dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=sharded.gathered,
-                                   host_bytes=e.host_bytes + sharded.host, world_size=world_size)
+                                   host_bytes=e.host_bytes + sharded.host, world_size=world_size,
+                                   model_state_bytes=state)
 
 
 def _trace(traces: Traces, micro: int) -> _Traced:
@@ -249,7 +256,8 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             if low is not None:
                 _recompute_under(blocks, low, in_backward)
             checkpoint_blocks(blocks)
-        optimizers = optimizers_of(fake, traces.optimizer, traces.device)
+        optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device), plan.optimizer_state,
+                                          bf16_weights=plan.precision == "bf16-true")
         offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
         host_bytes = offloaded_host_bytes(optimizers) if offloaded else 0
         if offloaded:  # the device runs the update of the small parameters only
@@ -292,7 +300,7 @@ def _trace(traces: Traces, micro: int) -> _Traced:
     estimate, update_temporaries = _estimate_from(
         tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device, target=traces.device,
         what_if=what_if, state_bytes=state_bytes, extra_host=host_bytes)
-    notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ())
+    notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
     return _Traced(dataclasses.replace(estimate, notes=notes), update_temporaries, grad_bytes, fake, optimizers,
                    torch.float32 if gathered_bf16 else None)
 
@@ -300,6 +308,18 @@ def _trace(traces: Traces, micro: int) -> _Traced:
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "
                  "autocast op lists and cuBLAS workspaces (compute capability 9.x); CUDA kernels' own scratch and "
                  "the allocator's fragmentation are not counted")
+
+
+def _untraced(plan: Plan) -> tuple[str, ...]:
+    notes = []
+    if plan.compile:
+        budget = plan.compile_memory_budget
+        notes.append("compile is not traced: this is the eager step" + (
+            f"; with compile_memory_budget {budget:g} the compiler recomputes activations to keep a share of them, so "
+            "the eager activations are an upper bound" if budget is not None and budget < 1 else ""))
+    if plan.float8:
+        notes.append("float8 is not traced: this is the step without FP8 matrix products")
+    return tuple(notes)
 
 
 def _recompute_under(blocks: list[Any], low: torch.dtype, in_backward: list[bool]) -> None:

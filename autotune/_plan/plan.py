@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget
+from autotune._runtime.optim_state import OPTIMIZER_STATES
 from autotune._plan.tuned import (
     APPLY,
     ELASTIC,
@@ -32,7 +33,8 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "tran
 #: Strategies a plan may choose ("auto": Lightning's choice for the devices, or the strategy the user configured;
 #: "ddp": every rank holds the whole model; "fsdp": FSDP2, ``fully_shard`` through Lightning's ModelParallelStrategy).
 STRATEGIES = ("auto", "ddp", "fsdp")
-_FLAGS = ("activation_offload", "optimizer_offload", "cpu_offload", "compile", "expandable_segments")
+_FLAGS = ("activation_offload", "optimizer_offload", "cpu_offload", "compile", "float8", "expandable_segments")
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,8 +137,14 @@ class Plan:
             class names of the modules to checkpoint.
         activation_offload: keep the tensors saved for backward on the host (``save_on_cpu``).
         optimizer_offload: keep the optimizer state on the host and run the update on the CPU (torchao's
-            ``CPUOffloadOptimizer``; one CUDA GPU, ``pip install 'lightning-autotune[offload]'``).
+            ``CPUOffloadOptimizer``; one CUDA GPU, ``pip install 'lightning-autotune[torchao]'``).
+        optimizer_state: ``"full"`` (the user's optimizer), ``"8bit"`` or ``"4bit"``: Adam and AdamW replaced by
+            torchao's low-bit versions (same hyper-parameters, groups and schedulers); other optimizers are refused.
+            Under ``precision="bf16-true"`` Adam and AdamW update the bf16 weights with stochastic rounding (torchao).
         compile: compile each repeated block with ``torch.compile`` (regional compilation).
+        compile_memory_budget: with ``compile``, the share in [0, 1] of the activations the compiler's partitioner
+            may keep for backward, recomputing the rest as it chooses (None: the compiler's default, 1.0).
+        float8: run linear layers' matrix products in FP8 (torchao's float8 training; CUDA compute capability 8.9+).
         expandable_segments: CUDA allocator setting ``expandable_segments:True``, on from ``setup`` to teardown.
         num_workers: DataModule ``num_workers`` (None: leave as is).
         pin_memory: DataModule ``pin_memory`` (None: leave as is).
@@ -163,7 +171,10 @@ class Plan:
     activation_checkpointing: float | tuple[str, ...] = 0.0
     activation_offload: bool = False
     optimizer_offload: bool = False
+    optimizer_state: str = "full"
     compile: bool = False
+    compile_memory_budget: float | None = None
+    float8: bool = False
     expandable_segments: bool = False
     num_workers: int | None = None
     pin_memory: bool | None = None
@@ -180,6 +191,8 @@ class Plan:
                            tuple(ckpt) if isinstance(ckpt, (list, tuple)) else float(ckpt))
         if self.budget is not None:
             object.__setattr__(self, "budget", str(Budget.parse(self.budget)))
+        if self.compile_memory_budget is not None:
+            object.__setattr__(self, "compile_memory_budget", float(self.compile_memory_budget))
 
     # ------------------------------------------------------------------------------------------ canonical form
     def to_dict(self) -> dict[str, Any]:
@@ -323,6 +336,10 @@ class Plan:
         for flag in _FLAGS:
             if getattr(self, flag):
                 parts.append(flag.replace("activation_", "").replace("_", "-"))
+        if self.optimizer_state != "full":
+            parts.append(f"{self.optimizer_state} state")
+        if self.compile_memory_budget is not None:
+            parts.append(f"compile budget {self.compile_memory_budget:g}")
         if self.num_workers is not None:
             parts.append(f"workers {self.num_workers}")
         if self.pin_memory:
@@ -371,6 +388,16 @@ def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
     if fields.get("cpu_offload") is True and fields.get("optimizer_offload") is True:
         problems.append(("cpu_offload", "cpu_offload (FSDP2, sharded) and optimizer_offload (torchao, one GPU) both move "
                                         "the optimizer state to the host; choose one"))
+    check("optimizer_state", lambda v: isinstance(v, str) and v in OPTIMIZER_STATES,
+          f"one of {', '.join(OPTIMIZER_STATES)}")
+    check("compile_memory_budget", lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float))
+                                                           and not math.isnan(v) and 0 <= v <= 1),
+          "a fraction in [0, 1] or None")
+    if fields.get("compile_memory_budget") is not None and fields.get("compile", True) is not True:
+        problems.append(("compile_memory_budget", "compile_memory_budget is the compiler's; it needs compile=True"))
+    if fields.get("optimizer_state") in ("8bit", "4bit") and fields.get("optimizer_offload") is True:
+        problems.append(("optimizer_state", f"optimizer_state {fields['optimizer_state']!r} and optimizer_offload both "
+                                            "replace the optimizer; choose one"))
     check("num_workers", lambda v: v is None or (_is_int(v) and v >= 0), "an int >= 0 or None")
     check("pin_memory", lambda v: v is None or isinstance(v, bool), "true, false or None")
     if "provenance" in fields and not isinstance(fields["provenance"], Provenance):

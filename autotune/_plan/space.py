@@ -115,8 +115,11 @@ def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int) -
     if not cuda and choice is True and name in ("activation_offload", "optimizer_offload", "cpu_offload",
                                                 "expandable_segments", "pin_memory"):
         return "it only has an effect on CUDA"
-    if name == "optimizer_offload" and choice is True and importlib.util.find_spec("torchao") is None:
-        return "the torchao package is not installed (pip install 'lightning-autotune[offload]')"
+    torchao_needed = (name == "optimizer_offload" and choice is True) or (name == "optimizer_state" and choice != "full")
+    if name == "float8" and choice is True and (not cuda or torch.cuda.get_device_capability(device) < (8, 9)):
+        return "FP8 needs a GPU of compute capability 8.9 or newer"
+    if (torchao_needed or (name == "float8" and choice is True)) and importlib.util.find_spec("torchao") is None:
+        return "the torchao package is not installed (pip install 'lightning-autotune[torchao]')"
     if name == "strategy" and choice == "ddp" and cuda and torch.cuda.device_count() < 2:
         return "DDP needs at least 2 GPUs"
     return None

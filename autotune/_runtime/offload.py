@@ -39,7 +39,7 @@ OFFLOAD_MIN_NUMEL = 4096
 #: Group keys that describe how an update runs on its device, not what it computes: left to each side's default.
 _DEVICE_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 #: How to get torchao, for messages.
-INSTALL_HINT = "pip install 'lightning-autotune[offload]'"
+INSTALL_HINT = "pip install 'lightning-autotune[torchao]'"
 
 
 def is_offloaded(param: Tensor) -> bool:
