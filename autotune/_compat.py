@@ -253,6 +253,14 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
 
+        def next_phase(self) -> dict[Any, dict[Any, int]]:
+            """The peak snapshot of the phase that ends now (per device); the next phase's peak starts from what is
+            alive now."""
+            ended = {dev: dict(snap) for dev, snap in self._peak_mem_snap.items()}
+            self._peak_mem, self._peak_mem_snap = {}, {}
+            self._update_peak_stats(None)
+            return ended
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = super().__torch_dispatch__(func, types, args, kwargs)
             extra = extra_bytes(func, args, kwargs, out)

@@ -5,7 +5,8 @@
 2. For a 10B-parameter model, each plan's model state in bytes per parameter as the estimator finds it (parameters,
    gradients and optimizer state of one rank, gathered units excluded) next to the closed form: fp32 AdamW 4 + 4 + 8;
    bf16-mixed the same fp32 master state (its autocast weight copies are activations, 2 bytes per parameter during
-   the forward); bf16-true 2 + 2 + 4; ZeRO-3 (``strategy="fsdp"``) over N ranks 16 / N.
+   the forward); bf16-true 2 + 2 + 4; 8-bit AdamW state 4 + 4 + 2 x (1 + 4/256) (codes and one fp32 scale per 256
+   values; each tensor's 1 KiB code map is left out); ZeRO-3 (``strategy="fsdp"``) over N ranks 16 / N.
 3. The capacity answer for 7B (1.3B with ``--quick``): the smallest number of 80 GiB CUDA devices, estimated what-if
    on this machine, and the plan.
 
@@ -60,12 +61,14 @@ def plans() -> list[tuple[str, Any, int]]:
 
     return [("fp32, AdamW", Plan(), 1), ("bf16-mixed", Plan(precision="bf16-mixed"), 1),
             ("bf16-true", Plan(precision="bf16-true"), 1),
+            ("8-bit AdamW state (torchao)", Plan(optimizer_state="8bit"), 1),
             ("ZeRO-3 over 8 (fsdp, bf16-mixed)", Plan(strategy="fsdp", precision="bf16-mixed"), 8),
             ("ZeRO-3 over 64 (fsdp, bf16-mixed)", Plan(strategy="fsdp", precision="bf16-mixed"), 64)]
 
 
 #: The closed form of each plan's model state, bytes per parameter (the 0-dim Adam step tensors are left out).
-CLOSED = {"fp32, AdamW": 16.0, "bf16-mixed": 16.0, "bf16-true": 8.0, "ZeRO-3 over 8 (fsdp, bf16-mixed)": 2.0,
+CLOSED = {"fp32, AdamW": 16.0, "bf16-mixed": 16.0, "bf16-true": 8.0,
+          "8-bit AdamW state (torchao)": 4 + 4 + 2 * (1 + 4 / 256), "ZeRO-3 over 8 (fsdp, bf16-mixed)": 2.0,
           "ZeRO-3 over 64 (fsdp, bf16-mixed)": 0.25}
 
 

@@ -6,13 +6,18 @@ holds the parameters of the units it has gathered: the root's (gathered for the 
 running block's and the next one's (prefetched); ZeRO-2 style (``reshard_after_forward=False``) every block stays
 gathered from its forward to its backward. Gathered parameters are in the dtype the step was traced in: bf16 under
 bf16-mixed, FSDP2's mixed-precision policy, while the shards (parameters, gradients, state) keep the fp32 master
-dtype given as ``master_dtype``. A backward makes the unsharded gradient of one unit at a time (in the reduce dtype)
-and its reduce-scatter input; both are counted for the largest unit. With ``cpu_offload`` the shards (parameters, gradients, state) are on
-the host and the update runs there.
+dtype given as ``master_dtype``; under that policy each unit also casts its floating-point inputs to bf16
+(``cast_forward_inputs``, :func:`cast_unit_inputs`), so what passes between units is bf16. A backward makes the
+unsharded gradient of one unit at a time (in the reduce dtype) and its reduce-scatter input; both are counted for the
+largest unit, at a peak in the backward only; the gradient shards alive at a peak are the traced share of the whole
+model's gradients (:meth:`RankState.at_peak`): all of the last step's in the forward, none at the start of a backward
+(Lightning's ``zero_grad`` sits between the two). With ``cpu_offload`` the shards (parameters, gradients, state) are
+on the host and the update runs there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +33,21 @@ class RankState:
     """One rank's bytes of each model-state category at the step's peak, and what of it is gathered units."""
 
     parameters: int  # shards, plus the gathered units' parameters
-    gradients: int  # shards, plus one unit's unsharded gradient and its reduce-scatter input
+    gradients: int  # shards, plus one unit's unsharded gradient and its reduce-scatter input (in a backward)
     optimizer_state: int  # shards (0-dim state such as Adam's step is whole)
     gathered: int  # of parameters + gradients: the gathered units (not model state)
     host: int  # the shards cpu_offload keeps on the host
+    unit_gradients: int = 0  # of gradients and gathered: the unsharded gradient and reduce-scatter input
+
+    def at_peak(self, *, traced_gradients: int, whole_gradients: int, backward: bool) -> RankState:
+        """This state at a peak of the trace: of the gradient shards, the share of the whole model's gradients the
+        trace held then (the last step's in the forward, those made so far in a backward), and one unit's unsharded
+        gradient and reduce-scatter input in a backward only."""
+        shards = self.gradients - self.unit_gradients
+        held = round(shards * min(1.0, traced_gradients / whole_gradients)) if whole_gradients else 0
+        units = self.unit_gradients if backward else 0
+        return dataclasses.replace(self, gradients=held + units, gathered=self.gathered - self.unit_gradients + units,
+                                   unit_gradients=units)
 
 
 def shard_bytes(tensor: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> int:
@@ -79,4 +95,21 @@ def rank_state(model: nn.Module, optimizers: list[Any], *, world_size: int, resh
     if cpu_offload:
         param_shards = grad_shards = state_shards = 0
     return RankState(parameters=param_shards + gathered, gradients=grad_shards + unit_grads,
-                     optimizer_state=state_shards, gathered=gathered + unit_grads, host=host)
+                     optimizer_state=state_shards, gathered=gathered + unit_grads, host=host,
+                     unit_gradients=unit_grads)
+
+
+def cast_unit_inputs(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point inputs of each unit FSDP2 shards (the blocks and the root) to ``dtype`` when it is
+    called, as ``MixedPrecisionPolicy(param_dtype=dtype)`` does (its ``cast_forward_inputs``); for a traced copy."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    def cast(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() else t
+
+        return apply_to_collection(args, torch.Tensor, to), apply_to_collection(kwargs, torch.Tensor, to)
+
+    blocks, root = sharding_units(model)
+    for unit in (*blocks, root):
+        unit.register_forward_pre_hook(cast, with_kwargs=True)

@@ -34,7 +34,7 @@ from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, pr
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
-from autotune._estimate.sharding import rank_state
+from autotune._estimate.sharding import cast_unit_inputs, rank_state
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
 from autotune._estimate.fake_step import (
     OptimizerFactory,
@@ -195,11 +195,20 @@ class Traces:
 
 
 @dataclass(frozen=True)
-class _Traced:
-    """One traced micro-batch: its estimate on one rank, and what the ranks change (``over``)."""
+class _Phase:
+    """The peak of one phase of the traced step: the forward (the last gradients alive), or the backward and
+    update (after ``zero_grad``)."""
 
     estimate: Estimate  # one rank alone: the whole model state, no DDP buffers
     update_temporaries: int  # of temporaries: the update's, made per state tensor (sharded with it)
+    backward: bool
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """One traced micro-batch: the peak of each phase on one rank, and what the ranks change (``over``)."""
+
+    phases: tuple[_Phase, ...]
     gradient_bytes: int  # of the trained parameters (DDP's buckets)
     model: Any  # the fake model and optimizers, for the shards' closed form
     optimizers: list[Any]
@@ -207,25 +216,39 @@ class _Traced:
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
         """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging
-        buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`)."""
-        e = self.estimate
-        if plan.strategy != "fsdp":
-            replicated = plan.strategy == "ddp" or world_size > 1
-            extra = self.gradient_bytes + min(self.gradient_bytes, 2 * GRADIENT_BUCKET_BYTES) if replicated else 0
-            state = e.parameters_bytes + self.gradient_bytes + e.optimizer_state_bytes
-            return dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra, model_state_bytes=state,
-                                       predicted_peak_bytes=e.predicted_peak_bytes + extra, world_size=world_size)
-        sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
-                             reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
-        parts = {"parameters_bytes": sharded.parameters, "gradients_bytes": sharded.gradients,
-                 "optimizer_state_bytes": sharded.optimizer_state,  # each rank updates its shards only
-                 "temporaries_bytes": e.temporaries_bytes - self.update_temporaries
-                 + self.update_temporaries // world_size}
-        peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
-        state = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered + sharded.host
-        return dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=sharded.gathered,
-                                   host_bytes=e.host_bytes + sharded.host, world_size=world_size,
-                                   model_state_bytes=state)
+        buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`), at
+        the higher of the two phases' peaks (sharding moves state between them: the last step's gradient shards in
+        the forward, one unit's unsharded gradient in the backward)."""
+        sharded = None
+        if plan.strategy == "fsdp":
+            sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
+                                 reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+        estimates = []
+        for phase in self.phases:
+            e = phase.estimate
+            if sharded is None:
+                replicated = plan.strategy == "ddp" or world_size > 1
+                extra = self.gradient_bytes + min(self.gradient_bytes, 2 * GRADIENT_BUCKET_BYTES) if replicated else 0
+                state_bytes = e.parameters_bytes + self.gradient_bytes + e.optimizer_state_bytes
+                estimates.append(dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra,
+                                                     model_state_bytes=state_bytes,
+                                                     predicted_peak_bytes=e.predicted_peak_bytes + extra,
+                                                     world_size=world_size))
+                continue
+            state = sharded.at_peak(traced_gradients=e.gradients_bytes, whole_gradients=self.gradient_bytes,
+                                    backward=phase.backward)
+            parts = {"parameters_bytes": state.parameters, "gradients_bytes": state.gradients,
+                     "optimizer_state_bytes": state.optimizer_state,  # each rank updates its shards only
+                     "temporaries_bytes": e.temporaries_bytes - phase.update_temporaries
+                     + phase.update_temporaries // world_size}
+            peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
+            state_bytes = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered \
+                + sharded.host  # all the shards, whatever of them the peak holds
+            estimates.append(dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=state.gathered,
+                                                 host_bytes=e.host_bytes + state.host, world_size=world_size,
+                                                 model_state_bytes=state_bytes))
+        top = max(estimates, key=lambda e: e.predicted_peak_bytes)
+        return dataclasses.replace(top, host_bytes=max(e.host_bytes for e in estimates))
 
 
 def _trace(traces: Traces, micro: int) -> _Traced:
@@ -256,6 +279,8 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             if low is not None:
                 _recompute_under(blocks, low, in_backward)
             checkpoint_blocks(blocks)
+        if gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
+            cast_unit_inputs(fake, torch.bfloat16)
         optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device), plan.optimizer_state,
                                           bf16_weights=plan.precision == "bf16-true")
         offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
@@ -264,7 +289,8 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
         inputs, input_tensors = fake_batch(mode, part, device, precision)
 
-        def step(*, zero_grad: bool) -> None:  # forward (last gradients alive), zero_grad, backward, update
+        def step(*, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None) -> None:
+            # forward (last gradients alive), zero_grad, backward, update
             with _offload(plan, what_if):
                 with autocast():
                     loss = loss_of(fake, fake.training_step(inputs, 0))
@@ -273,6 +299,7 @@ def _trace(traces: Traces, micro: int) -> _Traced:
                         opt.zero_grad(set_to_none=True)
                     for p in offloaded:
                         p.grad = None
+                before_backward()
                 in_backward[0] = True
                 try:
                     loss.backward()
@@ -287,8 +314,10 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             tracker = step_tracker(cuda_rules=what_if)
             tracker.track_external(fake, *optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
+            snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
             with tracker:
-                step(zero_grad=not accumulate)
+                step(zero_grad=not accumulate, before_backward=lambda: snapshots.append(tracker.next_phase()))
+            snapshots.append(tracker.get_tracker_snapshot("peak"))
         except (RuntimeError, NotImplementedError, TypeError) as error:
             message = " ".join(str(error).split())[:300]
             raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
@@ -297,12 +326,14 @@ def _trace(traces: Traces, micro: int) -> _Traced:
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.parameters() if p.requires_grad), device, cuda_rules=what_if)
-    estimate, update_temporaries = _estimate_from(
-        tracker.get_tracker_snapshot("peak"), before, plan=plan, micro=micro, device=device, target=traces.device,
-        what_if=what_if, state_bytes=state_bytes, extra_host=host_bytes)
     notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
-    return _Traced(dataclasses.replace(estimate, notes=notes), update_temporaries, grad_bytes, fake, optimizers,
-                   torch.float32 if gathered_bf16 else None)
+    phases = []
+    for backward, snapshot in enumerate(snapshots):
+        estimate, update_temporaries = _estimate_from(
+            snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=what_if,
+            state_bytes=state_bytes, extra_host=host_bytes)
+        phases.append(_Phase(dataclasses.replace(estimate, notes=notes), update_temporaries, bool(backward)))
+    return _Traced(tuple(phases), grad_bytes, fake, optimizers, torch.float32 if gathered_bf16 else None)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "

@@ -357,9 +357,7 @@ class _Objective:
         return EARLY_STOP_SHARE * feasible[1] if len(feasible) >= 2 else None
 
     def _predict(self, plan: Plan) -> int | None:
-        if plan.strategy == "fsdp":
-            return None  # per-rank sharded estimates are not yet checked against measured peaks: no rejection
-        return self.estimator.peak(plan)
+        return self.estimator.peak(plan)  # per rank: a sharded plan's devices are its world size
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
         key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
