@@ -116,3 +116,13 @@ def test_python_dash_m_autotune_reports_errors_without_traceback():
     assert result.stdout == ""
     assert result.stderr.startswith("autotune: error: device must be")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["estimate", "--help"], ["estimate"],
+                                  ["search", "x.py:make", "--budget", "2XB"], ["report", "--help"]])
+def test_help_version_and_argument_errors_import_neither_torch_nor_optuna(argv):
+    # they answer at once: torch, Lightning and Optuna are imported only where a command needs them
+    code = ("import sys; from autotune._cli.main import main; code = main(sys.argv[1:]); "
+            "print(sorted(m for m in ('torch', 'lightning', 'optuna') if m in sys.modules), code)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-1].startswith("[] "), (proc.stdout[-500:], proc.stderr[-500:])

@@ -69,6 +69,18 @@ def test_save_never_leaves_a_half_written_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tuned_file_gets_the_mode_of_the_users_umask(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        path = full_plan().save(tmp_path / "tuned.yaml")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # 0666 less 027, not mkstemp's 0600
+
+
 def test_load_reports_every_problem_with_file_and_key(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(

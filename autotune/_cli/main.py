@@ -7,12 +7,14 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune._version import __version__
 from autotune._cli import search as _cli_search
 from autotune._device.budget import format_bytes
-from autotune._device.probe import MemoryProbe, probe_memory
+
+if TYPE_CHECKING:
+    from autotune._device.probe import MemoryProbe
 
 __all__ = ["main"]
 
@@ -44,6 +46,8 @@ def _build_probe(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_probe(args: argparse.Namespace) -> int:
+    from autotune._device.probe import probe_memory
+
     device: str | int | None = args.device
     if isinstance(device, str) and device.isdigit():
         device = int(device)  # `--device 1` means cuda:1, as for torch.cuda
@@ -114,11 +118,8 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from autotune._device.budget import Budget
-    from autotune._estimate.estimate import budget_in_bytes, default_plans, estimate_device, estimate_target
-    from autotune._target.target import load_target
-    from autotune._plan.plan import load_plan
 
-    # bad input fails before the target is built
+    # bad input fails before the target is built, and before torch is imported
     memory = _size_option("--device-memory", args.device_memory)
     if args.budget is None and memory is None:
         raise ValueError("give --budget (20GiB, 0.8, auto) or --device-memory (80GiB)")
@@ -131,13 +132,17 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if most is not None and (world is not None or micro is not None or args.plan):
         raise ValueError("--max-world-size chooses the world size, the plan and the micro-batch: drop --world-size, "
                          "--micro-batch-size and --plan")
+    if args.target is None and args.config is None:
+        raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
+                         "or --config")
+    from autotune._estimate.estimate import budget_in_bytes, default_plans, estimate_device, estimate_target
+    from autotune._plan.plan import load_plan
+    from autotune._target.target import load_target
+
     plans = [load_plan(path) for path in args.plan]
     if args.precision or args.optimizer_state or not plans:
         plans += default_plans(precisions=args.precision or None, world_size=world or 1,
                                optimizer_states=args.optimizer_state or ("full",))
-    if args.target is None and args.config is None:
-        raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
-                         "or --config")
     device: str | int | None = int(args.device) if args.device and args.device.isdigit() else args.device
     resolved, what_if = estimate_device(device)
     budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=memory)

@@ -33,6 +33,9 @@ def build_search(parser: argparse.ArgumentParser) -> None:
 
 
 def run_search(args: argparse.Namespace) -> int:
+    from autotune._device.budget import Budget
+
+    Budget.parse(args.budget)  # a bad budget fails before torch, Lightning and Optuna are imported
     from autotune._search.search import NoFeasiblePlanError, search
 
     progress = None if args.no_progress else _Progress(args.trials)

@@ -100,7 +100,8 @@ def _measured(prov: Mapping[str, Any]) -> list[str]:
 
 
 def write_tuned_file(text: str, path: str | Path) -> Path:
-    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename).
+    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename), with the mode a
+    plain ``open()`` would give it (0666 less the umask).
 
     Raises:
         ValueError: when the folder does not exist or cannot be written, naming the path.
@@ -116,11 +117,18 @@ def write_tuned_file(text: str, path: str | Path) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it back at once
+    os.umask(mask)
+    return mask
 
 
 def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], list[str]]:

@@ -156,3 +156,34 @@ def test_compile_memory_budget_is_set_for_the_run_and_restored():
     before = functorch_config.activation_memory_budget
     fit(ApplyPlan(compile=True, compile_memory_budget=0.25), Probe())
     assert seen == [0.25] and functorch_config.activation_memory_budget == before
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9 or newer")
+def test_float8_converts_the_linear_layers_and_trains_on_cuda():
+    model = Net()
+    trainer = L.Trainer(max_steps=4, accelerator="cuda", devices=1, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ApplyPlan(float8=True, optimizer_state="8bit")])
+    trainer.fit(model, data())
+    converted = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    assert len(converted) == 3  # the 128x128 blocks; the head (out_features 1) stays a Linear
+    assert trainer.global_step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_low_bit_state_on_cuda_matches_the_estimate():
+    batch = next(iter(data()))
+    for state in ("8bit", "4bit"):
+        trainer = L.Trainer(max_steps=2, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[ApplyPlan(optimizer_state=state)])
+        trainer.fit(Net(), data())
+        measured = real_state_bytes(trainer.strategy.optimizers[0])
+        predicted = estimate(model=Net(), batch=batch, plan=Plan(optimizer_state=state), device="cuda")
+        assert abs(predicted.optimizer_state_bytes - measured) <= 0.02 * measured, (state, predicted, measured)
