@@ -15,6 +15,7 @@ compile (baseline for) compile with a memory budget of 0.5 and 0.0. Ratios are a
 
     python benchmarks/lowbit.py            # about 4 minutes on a 2-core CPU
     python benchmarks/lowbit.py --quick    # a smaller model, fewer steps
+    python benchmarks/lowbit.py --search 10   # also: does the search's winner change with the new dimensions?
 """
 
 from __future__ import annotations
@@ -134,10 +135,55 @@ def _loader(data: Any) -> Any:
     return data.train_dataloader()
 
 
+#: The CPU space plus this issue's dimensions: what the search may pick on this machine.
+LOWBIT_SPACE = """description: cpu space plus low-bit optimizer state, bf16-true and compile's memory budget
+dimensions:
+  precision:
+    choices: [32-true, bf16-mixed, bf16-true]
+  micro_batch_size:
+    choices: [auto, 4, 8, 16, 32]
+  activation_checkpointing:
+    choices: [0.0, 1.0]
+  optimizer_state:
+    choices: [full, 8bit, 4bit]
+  compile:
+    choices: [false, true]
+  compile_memory_budget:
+    choices: [null, 0.5]
+    when: {compile: [true]}
+seeds:
+  - {precision: 32-true, micro_batch_size: auto, activation_checkpointing: 0.0}
+"""
+
+
+def search_both(budget: str, trials: int) -> list[dict[str, Any]]:
+    """The search on the example GPT with the CPU space and with the low-bit one: the winners side by side."""
+    import tempfile
+
+    from autotune import search
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        space_file = Path(tmp) / "lowbit.yaml"
+        space_file.write_text(LOWBIT_SPACE)
+        for name, space in (("cpu", "cpu"), ("cpu + low-bit dimensions", str(space_file))):
+            started = time.perf_counter()
+            result = search(target=str(Path(_HERE).parent / "examples" / "gpt" / "train.py") + ":make", budget=budget,
+                            space=space, trials=trials, seed=0, steps=4, warmup=2, out=None,
+                            storage=f"sqlite:///{tmp}/{len(rows)}.db")
+            prov = result.plan.provenance
+            rows.append({"space": name, "plan": result.plan.describe(), "samples_per_second": prov.samples_per_second,
+                         "peak_bytes": prov.peak_bytes, "seconds": time.perf_counter() - started})
+    return rows
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     add_device(parser)
     parser.add_argument("--quick", action="store_true", help="2 blocks of width 128, 12 steps")
+    parser.add_argument("--search", type=int, default=0, metavar="TRIALS",
+                        help="also search the example GPT with the CPU space and with the low-bit dimensions added "
+                        "(TRIALS trials each, budget 2GiB) and print both winners")
     add_json(parser)
     args = parser.parse_args()
     quiet()
@@ -162,7 +208,14 @@ def main() -> None:
                           "vs baseline", "step (median)", "vs baseline", "final loss"], table,
                          right=(1, 2, 3, 4, 5, 6, 7, 8)))
     print(f"\n{rows[0]['params'] / 1e6:.2f} M parameters; baselines: fp32 AdamW, bf16-mixed, compile")
-    write_json(args.json, {"machine": m, "config": cfg, "rows": rows})
+    found = in_fresh_process(search_both, "2GiB", args.search) if args.search else []
+    if found:
+        print(f"\nThe search on the example GPT (examples/gpt/train.py:make, budget 2GiB, {args.search} trials, seed 0)\n")
+        print(markdown_table(["space", "winner", "samples/s", "peak RSS", "wall"],
+                             [[r["space"], r["plan"], f"{r['samples_per_second']:.1f}",
+                               f"{(r['peak_bytes'] or 0) / 2**20:.0f} MiB", f"{r['seconds']:.0f} s"] for r in found],
+                             right=(2, 3, 4)))
+    write_json(args.json, {"machine": m, "config": cfg, "rows": rows, "search": found})
 
 
 if __name__ == "__main__":

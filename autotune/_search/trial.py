@@ -334,12 +334,18 @@ class _Meter:
                     self.counter = FlopCounterMode(display=False)
                     self.counter.__enter__()
 
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                                   batch_idx: int) -> None:
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
+
+            def _count_done(self) -> None:
                 counter = getattr(self, "counter", None)
                 if counter is not None and self.flops is None:
                     counter.__exit__(None, None, None)
                     self.flops = float(counter.get_total_flops())
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                   batch_idx: int) -> None:
+                self._count_done()
                 if trainer.global_step < self.spec.warmup:
                     return
                 _sync(pl_module.device)
