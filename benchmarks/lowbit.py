@@ -152,7 +152,7 @@ dimensions:
     choices: [null, 0.5]
     when: {compile: [true]}
 seeds:
-  - {precision: 32-true, micro_batch_size: auto, activation_checkpointing: 0.0}
+  - {precision: 32-true, micro_batch_size: auto, activation_checkpointing: 0.0, optimizer_state: full}
 """
 
 
