@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
@@ -102,9 +102,15 @@ class ApplyPlan(Callback):
         self.checkpointed: list[torch.nn.Module] = []
         self.compiled: list[torch.nn.Module] = []
         self.sharded: list[torch.nn.Module] = []
+        self.active = True  # False when a later ApplyPlan takes over
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        mine = [c for c in trainer.callbacks if isinstance(c, ApplyPlan)]
+        self.active = not mine or mine[-1] is self
+        if not self.active:  # a later one (a tuned file's, stacked after the user's config) takes over
+            rank_zero_info(f"ApplyPlan: {self.plan.describe()} is replaced by the later {mine[-1].plan.describe()}")
+            return
         plan = self.plan
         device = trainer.strategy.root_device
         if plan.expandable_segments and device.type == "cuda":
@@ -199,6 +205,8 @@ class ApplyPlan(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.active:
+            return
         bf16_weights = trainer.precision == "bf16-true"
         if self.plan.optimizer_state != "full" or bf16_weights:  # the optimizers exist; checkpoints load later
             try:
@@ -216,7 +224,7 @@ class ApplyPlan(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for opt in _offloaded(trainer):  # LightningModule.on_fit_start ran after the host copies were taken
+        for opt in _offloaded(trainer) if self.active else []:  # LightningModule.on_fit_start ran after the host copies were taken
             opt.copy_weights_to_host()
 
     def _warn_if_other_device(self, device: torch.device) -> None:
@@ -232,7 +240,7 @@ class ApplyPlan(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.plan.activation_offload and self._offload is None:
+        if self.active and self.plan.activation_offload and self._offload is None:
             self._offload = ExitStack()
             self._offload.enter_context(offload_activations(pin_memory=trainer.strategy.root_device.type == "cuda"))
 
@@ -250,7 +258,7 @@ class ApplyPlan(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close_offload()
-        for opt in _offloaded(trainer):
+        for opt in _offloaded(trainer) if self.active else []:
             opt.close()
         for undo in reversed(self._undo):
             undo()

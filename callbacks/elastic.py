@@ -11,7 +11,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from autotune._compat import BATCH_TRANSFER_HANDLER, batch_transfer_handler, is_batch_norm, logs_written_this_step
@@ -114,8 +114,21 @@ class ElasticBatchSize(Callback):
         return self.engine.budget_bytes if self.engine is not None else None
 
     # ----------------------------------------------------------------------------------------------- set up
+    @property
+    def state_key(self) -> str:
+        """Its settings: two instances (a user's config and a tuned file stacked after it, of which the later one
+        runs) are told apart in checkpoints; two with the same settings are one too many (Lightning refuses them)."""
+        return self._generate_state_key(budget=None if self.budget is None else str(self.budget),
+                                        micro_batch_size=self._start_micro_batch_size,
+                                        min_micro_batch_size=self.min_micro_batch_size, grow=self.grow,
+                                        grow_after=self.grow_after, protect_update=self.protect_update)
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        mine = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
+        if mine and mine[-1] is not self:  # a later one (a tuned file's, stacked after the user's config) takes over
+            rank_zero_info(f"ElasticBatchSize: {self.state_key} is replaced by the later {mine[-1].state_key}")
+            return
         _check_strategy(trainer, self.SUPPORTED_STRATEGIES)
         if stage == "fit":
             _check_trainer(trainer, pl_module)

@@ -108,8 +108,8 @@ def test_load_reports_every_problem_with_file_and_key(tmp_path: Path) -> None:
 
 def test_load_refuses_newer_formats_missing_files_and_non_plans(tmp_path: Path) -> None:
     path = full_plan().save(tmp_path / "tuned.yaml")
-    path.write_text(path.read_text().replace("format_version: 1", "format_version: 7"))
-    with pytest.raises(PlanFileError, match=r"format_version: 7 is newer than this lightning-autotune reads \(1\); "
+    path.write_text(path.read_text().replace("format_version: 2", "format_version: 7"))
+    with pytest.raises(PlanFileError, match=r"format_version: 7 is newer than this lightning-autotune reads \(2\); "
                        "upgrade lightning-autotune"):
         load_plan(path)
     with pytest.raises(PlanFileError, match=r"nope.yaml: the tuned file does not exist"):
@@ -130,17 +130,42 @@ def test_tuned_file_runs_through_lightning_cli(tmp_path: Path, monkeypatch: pyte
         import train  # the example's LightningCLI script
     finally:
         sys.path.remove(str(ROOT / "examples" / "gpt"))
-    plan = Plan(precision="bf16-mixed", micro_batch_size=8, activation_checkpointing=1.0)
+    plan = Plan(precision="bf16-mixed", micro_batch_size=4, activation_checkpointing=1.0)
     tuned = plan.save(tmp_path / "tuned.yaml")
     cli = train.main(["fit", "--config", str(ROOT / "examples/gpt/config.yaml"), "--config", str(tuned),
                       "--trainer.max_steps=3"])
     trainer = cli.trainer
     assert trainer.global_step == 3
     assert trainer.precision == "bf16-mixed"
-    [elastic] = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
+    # the example config's ElasticBatchSize (micro-batch 8) stays in the list, and the tuned file's, added after it,
+    # is the one that runs
+    users, elastic = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
     [apply] = [c for c in trainer.callbacks if isinstance(c, ApplyPlan)]
-    assert elastic.micro_batch_size == 8
+    assert users.engine is None and elastic.micro_batch_size == 4 and elastic.engine.sizes
     assert len(apply.checkpointed) == 2 and type(apply.checkpointed[0]).__name__ == "Block"
+
+
+def test_tuned_file_adds_its_callbacks_to_the_users(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    user = tmp_path / "user.yaml"
+    user.write_text("trainer:\n  callbacks:\n"
+                    f"    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {{dirpath: {tmp_path}}}\n"
+                    "    - class_path: lightning.pytorch.callbacks.EarlyStopping\n      init_args: {monitor: val_loss}\n")
+    tuned = Plan(micro_batch_size=4).save(tmp_path / "tuned.yaml")
+    cli = LightningCLI(BoringModel, BoringDataModule, run=False, save_config_callback=None,
+                       args=["--config", str(user), "--config", str(tuned), "--trainer.logger=false"])
+    kinds = {type(c) for c in cli.trainer.callbacks}
+    assert {ModelCheckpoint, EarlyStopping, ElasticBatchSize, ApplyPlan} <= kinds
+    [checkpoint] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    assert checkpoint.dirpath == str(tmp_path)  # the user's, not Lightning's default one
+    # a format-1 file (`callbacks`, which replaced the user's) still loads
+    old = tmp_path / "old.yaml"
+    old.write_text(tuned.read_text().replace("callbacks+:", "callbacks:").replace("format_version: 2",
+                                                                                  "format_version: 1"))
+    assert load_plan(old) == load_plan(tuned)
 
 
 def test_low_bit_and_compiler_fields_are_validated_in_one_line() -> None:

@@ -92,8 +92,8 @@ def test_equal_plans_have_equal_keys_and_distinct_plans_do_not() -> None:
 def test_from_dict_refuses_unknown_settings_and_newer_formats() -> None:
     with pytest.raises(ValueError, match=r"invalid plan: unknown plan settings colour \(known: activation_checkpoint"):
         Plan.from_dict({"colour": "red"})
-    with pytest.raises(ValueError, match=r"format_version: 2 is newer than this lightning-autotune reads \(1\)"):
-        Plan.from_dict({"format_version": 2})
+    with pytest.raises(ValueError, match=r"format_version: 3 is newer than this lightning-autotune reads \(2\)"):
+        Plan.from_dict({"format_version": 3})
     with pytest.raises(ValueError, match=r"a plan must be a mapping of its settings; got list"):
         Plan.from_dict([])  # type: ignore[arg-type]
 

@@ -318,7 +318,7 @@ class Plan:
             trainer["devices"] = self.devices
         return {"trainer": {
             **trainer,
-            "callbacks": [
+            "callbacks+": [  # jsonargparse appends these to the callbacks of the configs before this one
                 {"class_path": ELASTIC, "init_args": self.elastic_kwargs()},
                 {"class_path": APPLY, "init_args": apply},
             ],

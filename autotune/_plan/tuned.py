@@ -16,7 +16,9 @@ import yaml
 from autotune._device.budget import format_bytes
 
 #: Version of the file and of a plan's dict form (``Plan.to_dict``); a newer one is refused.
-FORMAT_VERSION = 1
+#: 2: new plan settings (optimizer_state, compile_memory_budget, float8) and ``callbacks+`` (appended to the user's
+#: callbacks); files of format 1 (``callbacks``, replacing them) still load.
+FORMAT_VERSION = 2
 ELASTIC = "autotune.callbacks.ElasticBatchSize"
 APPLY = "autotune.callbacks.ApplyPlan"
 #: The trainer settings and ``ElasticBatchSize`` arguments that are plan settings (every ``ApplyPlan`` one is).
@@ -65,7 +67,7 @@ def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, A
         lines.append("# Measured: " + ", ".join(measured))
     lines += [
         "# Use: python train.py fit --config your_config.yaml --config THIS_FILE",
-        "#   (this file sets trainer.callbacks; a later --config replaces lists, so keep your callbacks after it)",
+        "#   (this file adds its callbacks to yours: `callbacks+` appends; a later --config's list replaces both)",
         "# or in Python: Trainer(**plan.trainer_kwargs(), callbacks=[*plan.callbacks(), ...]) with",
         "#   plan = autotune.load_plan(THIS_FILE)",
     ]
@@ -167,13 +169,14 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         fields["strategy"] = _sharded_strategy(fields["strategy"], trainer.get("devices"), problems)
     if trainer.get("accumulate_grad_batches", 1) != 1:
         problems.append(f"trainer.accumulate_grad_batches: must be 1; got {trainer['accumulate_grad_batches']!r}")
-    callbacks = trainer.get("callbacks")
+    key_name = "callbacks+" if "callbacks+" in trainer else "callbacks"  # format 1 wrote `callbacks`
+    callbacks = trainer.get(key_name)
     if not isinstance(callbacks, list):
-        problems.append("trainer.callbacks: missing; expected ElasticBatchSize and ApplyPlan entries")
+        problems.append(f"trainer.{key_name}: missing; expected ElasticBatchSize and ApplyPlan entries")
         return fields
     found = set()
     for i, entry in enumerate(callbacks):
-        key = f"trainer.callbacks[{i}]"
+        key = f"trainer.{key_name}[{i}]"
         class_path = entry.get("class_path") if isinstance(entry, dict) else None
         if not isinstance(class_path, str):
             problems.append(f"{key}.class_path: missing")
@@ -195,7 +198,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
             where[name] = f"{key}.init_args.{name}"
     for required in (ELASTIC, APPLY):
         if required not in found:
-            problems.append(f"trainer.callbacks: no {required} entry")
+            problems.append(f"trainer.{key_name}: no {required} entry")
     return fields
 
 

@@ -163,7 +163,8 @@ def test_tuned_file_configures_ddp_on_two_cpu_ranks_through_the_cli(
         "_SubprocessScriptLauncher"  # strategy "ddp": the script is run again for rank 1
     assert (trainer.num_devices, trainer.accelerator.__class__.__name__) == (2, "CPUAccelerator")
     plan = load_plan(out)
-    (elastic,) = [cb for cb in trainer.callbacks if isinstance(cb, ElasticBatchSize)]
+    # the config's ElasticBatchSize, then the tuned file's, appended after it: the later one runs
+    users, elastic = [cb for cb in trainer.callbacks if isinstance(cb, ElasticBatchSize)]
     assert (elastic.micro_batch_size, str(elastic.budget)) == (plan.micro_batch_size, "2GiB")
     assert trainer.precision == plan.precision and trainer.accumulate_grad_batches == 1
 

@@ -190,7 +190,9 @@ def test_cli_runs_a_tuned_file(train: ModuleType, tmp_path: Path, monkeypatch: p
     cli = train.main(args=cli_args(tmp_path, "--config", str(tuned), "--trainer.max_steps=3"))
     trainer = cli.trainer
     assert trainer.global_step == 3
-    (elastic,) = [cb for cb in trainer.callbacks if isinstance(cb, ElasticBatchSize)]
+    # the config's ElasticBatchSize, then the tuned file's, appended after it: only the later one runs
+    users, elastic = [cb for cb in trainer.callbacks if isinstance(cb, ElasticBatchSize)]
+    assert users.engine is None
     assert elastic.engine is not None and elastic.engine.sizes == [32, 32]
     assert elastic.budget_bytes == 4 * 2**30
     (apply,) = [cb for cb in trainer.callbacks if isinstance(cb, ApplyPlan)]
