@@ -355,3 +355,40 @@ def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
         assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
     finally:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    space = one_point_space(tmp_path, micro_batch_size=[8, 32])
+    command = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_fixed_cost", "--budget", "2GiB",
+               "--space", space, "--trials", "2", "--warmup", "1", "--storage", storage, "--study", "s",
+               "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
+    # a slow trial (40 steps of 4 micro-batches of 8, 0.1 s each): Ctrl-C reaches it while it runs
+    proc = subprocess.Popen([*command, "--steps", "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if any(t.state == TrialState.RUNNING for t in trials_of(storage, "s")):
+                break
+        except KeyError:  # the study does not exist yet
+            pass
+        time.sleep(0.2)
+    time.sleep(1.0)  # into the trial
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends the foreground process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip() == ("autotune: interrupted; the study is kept, and the same command resumes it (the "
+                           "interrupted trial runs again)")
+    [stopped] = [t for t in trials_of(storage, "s") if t.user_attrs.get("status") == "interrupted"]
+    assert stopped.state == TrialState.FAIL
+
+    done = subprocess.run([*command, "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [again] = [t for t in trials_of(storage, "s") if t.user_attrs.get("retry_of") == stopped.number]
+    assert again.state == TrialState.COMPLETE and again.params == stopped.params

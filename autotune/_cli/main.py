@@ -21,6 +21,7 @@ __all__ = ["main"]
 _PROG = "autotune"
 _EXIT_OK = 0
 _EXIT_USAGE = 2
+_EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: 0 on success, 2 on a usage error (bad arguments, no subcommand, or a ``ValueError``
-        raised for a bad value, shown as ``autotune: error: <message>`` on stderr without a traceback).
+        raised for a bad value, shown as ``autotune: error: <message>`` on stderr without a traceback), 130 on
+        Ctrl-C (one line).
 
     Example:
         >>> main(["probe", "--device", "cpu", "--json"])  # doctest: +SKIP
@@ -323,3 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, whatever the message holds
         print(f"{_PROG}: error: {message}", file=sys.stderr)
         return _EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted" + ("; the study is kept, and the same command resumes it (the interrupted "
+                                         "trial runs again)" if args.command == "search" else ""), file=sys.stderr)
+        return _EXIT_INTERRUPTED

@@ -14,7 +14,8 @@ from typing import Any
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
 from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
-from autotune._search.storage import exclusive, open_storage, recover_dead_workers, worker_id
+from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
+from autotune._search.storage import exclusive, open_storage, recover_dead_workers, requeue_interrupted, worker_id
 from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, run_trial
 
 log = logging.getLogger("autotune")
@@ -139,16 +140,18 @@ def search(
             for params in space_obj.seeds:
                 the_study.enqueue_trial(dict(params), skip_if_exists=True)
         recover_dead_workers(the_study)
+        requeue_interrupted(the_study)
 
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
                             trial_timeout=trial_timeout)
-        if _finished(the_study) < trials:
+        if finished(the_study) < trials:
+            logging.getLogger(OPTUNA_OPTIMIZE).addFilter(drop_interrupts)  # Ctrl-C: the CLI's one line only
             the_study.optimize(
                 runner,
                 n_trials=None,
                 timeout=timeout,
-                callbacks=[_MaxMeasured(trials, space_obj.size()), _StopOnFailures(trials), *callbacks],
+                callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
                 catch=(_TrialCrashed,),
             )
         best = _choose(the_study, runner, budget_bytes, parsed_budget)
@@ -167,42 +170,13 @@ def search(
             plan.save(out_path, command=command)
         return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
     finally:
+        logging.getLogger(OPTUNA_OPTIMIZE).removeFilter(drop_interrupts)
         optuna.logging.set_verbosity(verbosity)
 
 
 def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
     """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
     return {"devices": devices} if params.get("strategy") == "fsdp" else {}
-
-
-def _finished_states() -> tuple[Any, ...]:
-    from optuna.trial import TrialState
-
-    return (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def _finished(study: Any) -> int:
-    """Finished trials that measured or estimated a plan (a re-proposed plan served from the cache does not count)."""
-    return len([t for t in study.get_trials(deepcopy=False, states=_finished_states())
-                if t.user_attrs.get("source") != "cache"])
-
-
-class _MaxMeasured:
-    """Stop once the study has ``trials`` finished trials that were not cache hits, or has measured every point of
-    the space; as a guard for a small space the sampler keeps re-proposing, also at three times ``trials`` in all."""
-
-    def __init__(self, trials: int, space_size: int) -> None:
-        self.trials, self.space_size = trials, space_size
-
-    def __call__(self, study: Any, trial: Any) -> None:
-        from optuna.trial import TrialState
-
-        measured = {t.user_attrs.get("plan_key", t.user_attrs.get("plan"))
-                    for t in study.get_trials(deepcopy=False, states=_finished_states())
-                    if t.user_attrs.get("source") != "cache"}
-        everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
-        if _finished(study) >= self.trials or len(measured) >= self.space_size or everything >= 3 * self.trials:
-            study.stop()
 
 
 def _check_out(out: str | Path | None) -> Path | None:
@@ -237,24 +211,6 @@ def _stamp(study: Any, attrs: dict[str, Any]) -> None:
             study.set_user_attr(key, value)
 
 
-class _StopOnFailures:
-    """Stop a search whose trials keep failing (a broken target): after 5 failures in a row, or ``trials`` in all."""
-
-    def __init__(self, trials: int) -> None:
-        self.limit, self.in_a_row, self.total = trials, 0, 0
-
-    def __call__(self, study: Any, trial: Any) -> None:
-        from optuna.trial import TrialState
-
-        failed = trial.state == TrialState.FAIL
-        self.in_a_row = self.in_a_row + 1 if failed else 0
-        self.total += int(failed)
-        if self.in_a_row >= 5 or self.total >= self.limit:
-            log.warning("autotune: stopping the search: %d trials failed (last: %s)", self.total,
-                        trial.user_attrs.get("reason", "see autotune report"))
-            study.stop()
-
-
 class _Objective:
     """One Optuna trial: suggest a plan, reuse a measurement of the same plan or run it, record the constraint."""
 
@@ -271,6 +227,9 @@ class _Objective:
 
         try:
             return self._run(trial)
+        except KeyboardInterrupt:  # Ctrl-C: Optuna fails the trial; the next run of the search queues it again
+            trial.set_user_attr("status", "interrupted")
+            raise
         except (optuna.TrialPruned, _TrialCrashed):
             raise
         except Exception as err:  # anything else is this trial's failure, recorded with a constraint and a reason

@@ -140,8 +140,25 @@ def _context() -> Any:
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
+        _start_forkserver_deaf_to_ctrl_c()
         _CONTEXT = ctx
     return _CONTEXT
+
+
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start the forkserver with SIGINT ignored, a disposition it keeps through its preload and hands to every
+    trial it forks: Ctrl-C is the search's, which kills the running trial (``run_trial``), and no child prints its
+    own traceback. The parent ignores SIGINT only while the server is spawned (it does not wait for the preload)."""
+    import threading
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal dispositions are the main thread's to set: the server starts with the first trial instead
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
@@ -151,8 +168,14 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
         out = Path(tmp) / "result.json"
         launched = time.time()
         proc = ctx.Process(target=_child, args=(spec, str(out), launched), daemon=False)
-        proc.start()
-        proc.join(timeout)
+        try:
+            proc.start()
+            proc.join(timeout)
+        except KeyboardInterrupt:  # Ctrl-C: the trial (and its ranks) end with the search, not after it
+            if proc.pid is not None:
+                _kill_tree(proc.pid)
+                proc.join()
+            raise
         timed_out = proc.is_alive()
         if timed_out:
             _kill_tree(proc.pid)  # the trial with its DDP ranks and dataloader workers, which would outlive it
@@ -194,7 +217,10 @@ def _tail(path: Path) -> str:
 
 
 def _child(spec: TrialSpec, out: str, launched: float) -> None:
-    log_fd = os.open(str(Path(out).with_name("trial.log")), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        log_fd = os.open(str(Path(out).with_name("trial.log")), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    except FileNotFoundError:  # the search was interrupted while this trial started, and took its folder along
+        os._exit(1)
     os.dup2(log_fd, 1)  # the trial's own output (Lightning's banners, warnings) stays out of the search's
     os.dup2(log_fd, 2)
     try:
