@@ -324,6 +324,19 @@ def test_report_never_creates_or_writes_a_storage(tmp_path: Path, capsys: pytest
     assert not_a_study.read_bytes() == b"not a database"
 
 
+def test_report_checks_for_matplotlib_before_printing_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["report", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("autotune: error: the report's plots (--out) need matplotlib: pip install "
+                                 "'lightning-autotune[report]'\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_measure_plan_runs_one_plan_as_a_trial_does() -> None:
     from autotune import Plan, TrialResult, measure_plan

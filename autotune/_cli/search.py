@@ -104,6 +104,10 @@ def build_report(parser: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if args.out and importlib.util.find_spec("matplotlib") is None:  # before anything is printed
+        raise ValueError("the report's plots (--out) need matplotlib: pip install 'lightning-autotune[report]'")
     from autotune._search.report import load_study, trial_table, write_plots
 
     study = load_study(storage=args.storage, study=args.study)
