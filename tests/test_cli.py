@@ -126,3 +126,22 @@ def test_help_version_and_argument_errors_import_neither_torch_nor_optuna(argv):
             "print(sorted(m for m in ('torch', 'lightning', 'optuna') if m in sys.modules), code)")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
     assert proc.stdout.splitlines()[-1].startswith("[] "), (proc.stdout[-500:], proc.stderr[-500:])
+
+
+@pytest.mark.parametrize("width", [60, 80, 110])
+def test_the_search_progress_line_keeps_its_counter_and_fits_the_terminal(width):
+    import io
+
+    from rich.console import Console
+
+    from autotune._cli.search import _Progress
+
+    buf = io.StringIO()
+    progress = _Progress(10, console=Console(file=buf, width=width, force_terminal=False))
+    progress.progress.update(progress.task, completed=3, description="2 feasible | best 1125.3/s (32-true, micro 16, "
+                             "ckpt 0.5, workers 1) | last bf16-mixed, micro 8: ok")
+    progress.progress.start()
+    progress.progress.refresh()
+    progress.progress.stop()
+    line = buf.getvalue().splitlines()[-1]
+    assert line.startswith("trial  3/10 ") and len(line) <= width and line.endswith("…")

@@ -67,12 +67,19 @@ def run_search(args: argparse.Namespace) -> int:
 class _Progress:
     """A rich progress display as an Optuna callback: trial n of N, last plan, best so far, feasible count, ETA."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, console: Any = None) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.table import Column
 
-        self.progress = Progress(TextColumn("trial"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.description}"), console=Console(stderr=True), transient=False)
+        # the counter, bar and time keep their width; the description takes the rest, cut with an ellipsis
+        fixed = {"no_wrap": True, "overflow": "crop"}
+        self.progress = Progress(
+            TextColumn("trial", table_column=Column(**fixed, min_width=5)),
+            MofNCompleteColumn(table_column=Column(**fixed, min_width=2 * len(str(total)) + 1)),
+            BarColumn(bar_width=10), TimeRemainingColumn(),
+            TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+            console=console or Console(stderr=True), transient=False, expand=True)
         self.task = self.progress.add_task("starting", total=total)
         self.total = total
         self.started = False  # shown from the first finished trial on, so that input errors print alone
