@@ -405,3 +405,22 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
     assert done.returncode == 0, done.stderr[-2000:]
     [again] = [t for t in trials_of(storage, "s") if t.user_attrs.get("retry_of") == stopped.number]
     assert again.state == TrialState.COMPLETE and again.params == stopped.params
+
+
+@pytest.mark.slow
+def test_trials_run_with_the_users_trainer_settings_and_the_tuned_file_records_them(tmp_path: Path) -> None:
+    from autotune._search.trial import user_trainer_settings
+
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer:\n  gradient_clip_val: 0.5\n  deterministic: true\n  detect_anomaly: false\n"
+                      "  max_steps: 1000\n  logger: false\n  callbacks:\n"
+                      "    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n")
+    expected = {"gradient_clip_val": 0.5, "deterministic": True, "detect_anomaly": False}
+    # the trial's own settings (max_steps, logger) and classes (callbacks) are not taken
+    assert user_trainer_settings({"max_steps": 1000, "logger": False, "callbacks": [{}], **expected}) == expected
+    result = search(target=f"{FIXTURE}:make", config=str(config), budget="2GiB", trials=1, seed=0,
+                    space=one_point_space(tmp_path, micro_batch_size=[32]), storage=f"sqlite:///{tmp_path}/s.db",
+                    out=tmp_path / "t.yaml", **FAST)
+    [trial] = [t for t in result.study.get_trials() if t.state == TrialState.COMPLETE]
+    assert trial.user_attrs["trainer_settings"] == expected
+    assert load_plan(tmp_path / "t.yaml").provenance.trainer_settings == expected

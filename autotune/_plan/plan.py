@@ -57,6 +57,7 @@ class Provenance:
     created: str | None = None
     command: str | None = None
     produced_by: str | None = None  # "search", "estimate", "hand"
+    trainer_settings: dict[str, Any] = field(default_factory=dict)  # the user's Trainer settings the trials ran with
 
     @classmethod
     def here(cls, **fields: Any) -> Provenance:

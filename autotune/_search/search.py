@@ -164,6 +164,7 @@ def search(
                 tokens_per_second=best.user_attrs.get("tokens_per_second"),
                 peak_bytes=best.user_attrs.get("peak_bytes"),
                 command=command, produced_by=f"search (study '{name}', trial {best.number})",
+                trainer_settings=best.user_attrs.get("trainer_settings") or {},
             ),
         )
         if out_path is not None:

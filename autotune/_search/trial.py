@@ -69,6 +69,7 @@ class TrialResult:
     startup_seconds: float | None = None
     wall_seconds: float | None = None
     reason: str = ""
+    trainer_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -272,10 +273,11 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     kwargs.pop("devices", None)  # the trial's devices decide
     if kwargs.get("strategy") == "ddp":
         kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
-    clip = target.trainer_config.get("gradient_clip_val")
+    settings = user_trainer_settings(target.trainer_config)
+    meter.trainer_settings = settings
 
     def fit() -> None:
-        trainer = _trainer(spec, plan, kwargs, meter, micro, clip)
+        trainer = _trainer(spec, plan, kwargs, meter, micro, settings)
         trainer.fit(target.model, datamodule=target.datamodule)
 
     if plan.strategy == "fsdp" and spec.devices > 1:
@@ -309,7 +311,24 @@ def _start_ranks(count: int, fit: Any) -> None:
     mp.start_processes(rank_main, nprocs=count, start_method="fork")
 
 
-def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, micro: int, clip: Any) -> Any:
+#: Trainer settings a trial sets itself (the measurement, the plan, the devices): the user's are not taken.
+_TRIAL_OWNS = frozenset(
+    "accelerator devices num_nodes strategy precision accumulate_grad_batches max_steps max_epochs min_steps min_epochs "
+    "max_time logger callbacks enable_checkpointing enable_progress_bar enable_model_summary num_sanity_val_steps "
+    "limit_train_batches limit_val_batches limit_test_batches limit_predict_batches val_check_interval "
+    "check_val_every_n_epoch default_root_dir fast_dev_run profiler overfit_batches log_every_n_steps plugins".split())
+
+
+def user_trainer_settings(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the user's ``trainer:`` config that a trial's Trainer takes as they are: every plain value
+    (gradient clipping, ``deterministic``, ``detect_anomaly``, ``benchmark``, ...) but those a trial sets itself
+    (``_TRIAL_OWNS``); classes (loggers, callbacks, plugins) are left out. A trial measures the run you train."""
+    return {k: v for k, v in trainer_config.items()
+            if k not in _TRIAL_OWNS and v is not None and isinstance(v, (bool, int, float, str))}
+
+
+def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, micro: int,
+             settings: dict[str, Any]) -> Any:
     import lightning as L
 
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
@@ -324,12 +343,12 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, mic
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        gradient_clip_val=clip,
         callbacks=[
             ElasticBatchSize(budget=spec.budget, micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
             ApplyPlan(**plan.apply_kwargs()),
             meter,
         ],
+        **settings,
         **kwargs,
     )
 
@@ -417,6 +436,7 @@ class _Meter:
                     startup_seconds=(self.first_step or time.time()) - self.launched,
                     wall_seconds=time.time() - self.launched,
                     reason="stopped early: clearly slower than the best plan so far" if self.pruned else "",
+                    trainer_settings=getattr(self, "trainer_settings", {}),
                 )
 
         return Meter(**kwargs)
