@@ -224,7 +224,8 @@ class ApplyPlan(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for opt in _offloaded(trainer) if self.active else []:  # LightningModule.on_fit_start ran after the host copies were taken
+        # LightningModule.on_fit_start ran after the host copies were taken
+        for opt in _offloaded(trainer) if self.active else []:
             opt.copy_weights_to_host()
 
     def _warn_if_other_device(self, device: torch.device) -> None:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from autotune._target.target import Target
 
-__all__ = ["Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_target", "estimate_device",
-           "first_batch", "max_micro_batch_size"]
+__all__ = ["Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_device",
+           "estimate_target", "first_batch", "max_micro_batch_size"]
 
 
 @dataclass(frozen=True, kw_only=True)

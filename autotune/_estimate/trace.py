@@ -1,21 +1,25 @@
 """How the estimator traces one training step of a plan (:mod:`autotune._estimate.estimate` is the public side).
 
 The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
-(:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``, which files
-every storage under parameters, gradients, optimizer state, activations or temporaries while it lives. The step is
-Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step that makes the
-optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the later ones of
-``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the categories are those at
-that moment. Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for
-CPU convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
-buffers depend on the processor; ``Estimate.notes`` says so). On CUDA the rules of :mod:`autotune._estimate.cuda_rules`
-apply: each allocation rounded up to 512 B, the cuBLAS workspaces in the overhead, the CUDA context beside the peak
-(``context_bytes``); a CUDA device this machine does not have (``device="cuda"`` without CUDA) is estimated *what-if*:
-traced on the CPU with those rules and CUDA's autocast op lists. The overhead also holds DDP's gradient buckets and
-the runtime's averaging buffers under ``strategy="ddp"``. Offloaded activations leave a CUDA device (``host_bytes``); on the
-CPU ``save_on_cpu`` keeps a tensor where it is, so offload saves nothing there. Under ``optimizer_offload`` the update
-of the parameters torchao offloads runs on the host: the device keeps their gradients, the host their pinned copies,
-gradients and optimizer state (``host_bytes``). ``compile`` is not traced: the estimate is the eager step.
+(:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
+which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
+The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
+that makes the optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the
+later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the
+categories are those at that moment (the forward's and the backward's peaks are kept apart for the sharded closed
+form). Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for CPU
+convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
+buffers depend on the processor; ``Estimate.notes`` says so). On CUDA the rules of
+:mod:`autotune._estimate.cuda_rules` apply: each allocation rounded up to 512 B, the cuBLAS workspaces in the
+overhead, the CUDA context beside the peak (``context_bytes``); a CUDA device this machine does not have
+(``device="cuda"`` without CUDA) is estimated *what-if*: traced on the CPU with those rules and CUDA's autocast op
+lists. The overhead also holds DDP's gradient buckets and the runtime's averaging buffers under ``strategy="ddp"``.
+Offloaded activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu`` keeps a tensor where it is, so
+offload saves nothing there. Under ``optimizer_offload`` the update of the parameters torchao offloads runs on the
+host: the device keeps their gradients, the host their pinned copies, gradients and optimizer state
+(``host_bytes``). Low-bit optimizer state is torchao's stored layout
+(:class:`autotune._estimate.fake_step.LowBitStandIn`). ``compile`` and ``float8`` are not traced: the estimate is the
+eager step, and says so.
 """
 
 from __future__ import annotations

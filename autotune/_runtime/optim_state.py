@@ -91,7 +91,8 @@ def replacement(optimizer: Optimizer, *, state: str, bf16_weights: bool) -> tupl
     cls = getattr(torchao_optim, _CLASSES[(state, _decoupled(optimizer))])
     if not bf16_weights:
         return cls, cls.__name__
-    return (lambda groups, **kw: cls(groups, bf16_stochastic_round=True, **kw)), f"{cls.__name__} (bf16 stochastic rounding)"
+    rounding = f"{cls.__name__} (bf16 stochastic rounding)"
+    return (lambda groups, **kw: cls(groups, bf16_stochastic_round=True, **kw)), rounding
 
 
 def _stochastic_rounding(groups: list[dict[str, Any]], **defaults: Any) -> Optimizer:

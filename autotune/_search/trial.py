@@ -313,8 +313,8 @@ def _start_ranks(count: int, fit: Any) -> None:
 
 #: Trainer settings a trial sets itself (the measurement, the plan, the devices): the user's are not taken.
 _TRIAL_OWNS = frozenset(
-    "accelerator devices num_nodes strategy precision accumulate_grad_batches max_steps max_epochs min_steps min_epochs "
-    "max_time logger callbacks enable_checkpointing enable_progress_bar enable_model_summary num_sanity_val_steps "
+    "accelerator devices num_nodes strategy precision accumulate_grad_batches max_steps max_epochs min_steps "
+    "min_epochs max_time logger callbacks enable_checkpointing enable_progress_bar enable_model_summary num_sanity_val_steps "
     "limit_train_batches limit_val_batches limit_test_batches limit_predict_batches val_check_interval "
     "check_val_every_n_epoch default_root_dir fast_dev_run profiler overfit_batches log_every_n_steps plugins".split())
 
