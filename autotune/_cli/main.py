@@ -149,8 +149,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=memory)
     target = load_target(args.target, config=args.config)
     if most is not None:
-        return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory, budget=budget,
-                             most=most)
+        return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
+                             usable=budget_bytes, most=most)
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
                            micro_batch_size=micro, world_size=world)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
@@ -158,12 +158,11 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 
 def _run_capacity(args: argparse.Namespace, *, target: Any, device: Any, what_if: bool, memory: int,
-                  budget: Any, most: int) -> int:
+                  usable: int, most: int) -> int:
     from autotune._estimate.capacity import estimate_capacity
-    from autotune._estimate.estimate import budget_in_bytes, first_batch
+    from autotune._estimate.estimate import first_batch
     from autotune._runtime.batch import batch_size_of
 
-    usable = budget_in_bytes(budget, device, what_if=what_if, device_memory=memory)
     batch = first_batch(target)
     rows = estimate_capacity(model=target.model, batch=batch, device=device, device_memory_bytes=memory,
                              budget_bytes=usable, max_world_size=most, precisions=args.precision or None)

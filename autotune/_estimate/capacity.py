@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotune._device.budget import Budget
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.estimate import budget_in_bytes
 from autotune._estimate.trace import Estimate, Traces, estimate_device
@@ -91,14 +90,14 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
         >>> rows = estimate_capacity(model=model, batch=batch, device="cuda",  # doctest: +SKIP
         ...                          device_memory_bytes=80 * 2**30, max_world_size=64)
         >>> rows[-1].fits, rows[-1].world_size, rows[-1].estimate.plan.describe()  # doctest: +SKIP
-        (True, 8, 'bf16-mixed, fsdp over 8, micro 4')
+        (True, 2, 'fsdp x2, bf16-mixed, micro 4')
     """
     for name, value in (("device_memory_bytes", device_memory_bytes), ("budget_bytes", budget_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive int of bytes; got {value!r}")
     resolved, what_if = estimate_device(device)
-    usable_bytes = budget_in_bytes(None if budget_bytes is None else Budget.parse(budget_bytes), resolved,
-                                   what_if=what_if, device_memory=device_memory_bytes)
+    usable_bytes = budget_bytes if budget_bytes is not None else budget_in_bytes(
+        None, resolved, what_if=what_if, device_memory=device_memory_bytes)
     order = list(precisions or DEFAULT_PRECISIONS)
     sizes = world_sizes(max_world_size)
     shapes = [(p, c, sharded) for p in order for c in (0.0, 1.0) for sharded in (False, True)]

@@ -128,11 +128,15 @@ class CudaAutocast(TorchFunctionMode):
                 kwargs["dtype"] = torch.float32
             return func(*args, **kwargs)
         if policy == "promote":
-            floats = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point() and t.dtype != torch.float64]
+            from lightning.fabric.utilities.apply_func import apply_to_collection
+
+            floats: list[torch.dtype] = []
+            apply_to_collection((args, kwargs), torch.Tensor, lambda t: floats.append(t.dtype))
+            floats = [d for d in floats if d.is_floating_point and d != torch.float64]
             to = torch.float32 if torch.float32 in floats or not floats else self.dtype
         else:
             to = self.dtype if policy == "low" else torch.float32
-        return func(*self._cast((args), to), **self._cast(kwargs, to))
+        return func(*self._cast(args, to), **self._cast(kwargs, to))
 
     def _cross_entropy(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         import inspect
@@ -151,28 +155,18 @@ class CudaAutocast(TorchFunctionMode):
                           reduction=a["reduction"])
 
     def _cast(self, value: Any, to: torch.dtype) -> Any:
-        if isinstance(value, torch.Tensor):
-            if not value.is_floating_point() or value.dtype in (to, torch.float64):
-                return value
-            if self.cache and value.is_leaf and value.requires_grad:
-                hit = self._cache.get(id(value))
-                if hit is None or hit[0] is not value or hit[1].dtype != to:
-                    hit = (value, value.to(to))
-                    self._cache[id(value)] = hit
-                return hit[1]
-            return value.to(to)
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._cast(v, to) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cast(v, to) for k, v in value.items()}
-        return value
+        """The tensors in ``value`` (any nesting) cast to ``to``; weights' casts from the cache."""
+        from lightning.fabric.utilities.apply_func import apply_to_collection
 
+        return apply_to_collection(value, torch.Tensor, self._cast_tensor, to)
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    def _cast_tensor(self, t: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype in (to, torch.float64):
+            return t
+        if not (self.cache and t.is_leaf and t.requires_grad):
+            return t.to(to)
+        hit = self._cache.get(id(t))
+        if hit is None or hit[0] is not t or hit[1].dtype != to:
+            hit = (t, t.to(to))
+            self._cache[id(t)] = hit
+        return hit[1]

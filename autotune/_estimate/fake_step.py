@@ -20,6 +20,7 @@ from autotune._compat import (
     storage_key,
 )
 from autotune._estimate.cuda_rules import round_cuda
+from autotune._estimate.sharding import shard_numel
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
 from autotune._runtime.optim_state import replaces, state_tensor_bytes
@@ -170,10 +171,8 @@ class LowBitStandIn(torch.optim.Optimizer):
     def rank_state_bytes(self, param: torch.Tensor, world_size: int, master_dtype: torch.dtype | None) -> int:
         """One rank's bytes of ``param``'s state under FSDP2: the moments of its shard (dim 0 cut in padded chunks)."""
         width = torch.empty((), dtype=master_dtype).element_size() if master_dtype is not None else param.element_size()
-        rows = math.ceil(param.shape[0] / world_size) if param.dim() else 1
-        local = rows * math.prod(param.shape[1:]) if param.dim() else 1
         moments = sum(1 for name in self.state[param] if name != "step")
-        return 4 + moments * state_tensor_bytes(local, width, self.kind)
+        return 4 + moments * state_tensor_bytes(shard_numel(param, world_size), width, self.kind)
 
 
 def with_optimizer_state(optimizers: list[Any], state: str, bf16_weights: bool) -> list[Any]:

@@ -50,14 +50,17 @@ class RankState:
                                    unit_gradients=units)
 
 
-def shard_bytes(tensor: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes of one rank's shard of ``tensor`` in ``dtype`` (default its own): dim 0 cut in ``world_size`` padded
-    chunks; a 0-dim tensor whole."""
-    width = torch.empty((), dtype=dtype).element_size() if dtype is not None else tensor.element_size()
+def shard_numel(tensor: torch.Tensor, world_size: int) -> int:
+    """Values in one rank's shard of ``tensor``: dim 0 cut in ``world_size`` padded chunks; a 0-dim tensor whole."""
     if tensor.dim() == 0:
-        return width
-    rows = math.ceil(tensor.shape[0] / world_size)
-    return rows * math.prod(tensor.shape[1:]) * width
+        return 1
+    return math.ceil(tensor.shape[0] / world_size) * math.prod(tensor.shape[1:])
+
+
+def shard_bytes(tensor: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one rank's shard of ``tensor`` in ``dtype`` (default its own) (see :func:`shard_numel`)."""
+    width = torch.empty((), dtype=dtype).element_size() if dtype is not None else tensor.element_size()
+    return shard_numel(tensor, world_size) * width
 
 
 def rank_state(model: nn.Module, optimizers: list[Any], *, world_size: int, reshard_after_forward: bool,

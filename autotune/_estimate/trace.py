@@ -223,10 +223,12 @@ class _Traced:
         buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`), at
         the higher of the two phases' peaks (sharding moves state between them: the last step's gradient shards in
         the forward, one unit's unsharded gradient in the backward)."""
-        sharded = None
+        sharded, shards = None, 0
         if plan.strategy == "fsdp":
             sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
                                  reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+            # all the shards, whatever of them a phase's peak holds
+            shards = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered + sharded.host
         estimates = []
         for phase in self.phases:
             e = phase.estimate
@@ -246,11 +248,9 @@ class _Traced:
                      "temporaries_bytes": e.temporaries_bytes - phase.update_temporaries
                      + phase.update_temporaries // world_size}
             peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
-            state_bytes = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered \
-                + sharded.host  # all the shards, whatever of them the peak holds
             estimates.append(dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=state.gathered,
                                                  host_bytes=e.host_bytes + state.host, world_size=world_size,
-                                                 model_state_bytes=state_bytes))
+                                                 model_state_bytes=shards))
         top = max(estimates, key=lambda e: e.predicted_peak_bytes)
         return dataclasses.replace(top, host_bytes=max(e.host_bytes for e in estimates))
 

@@ -264,8 +264,9 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     target = load_target(spec.target, config=spec.config)
     batch_size = target.batch_size()
+    settings = user_trainer_settings(target.trainer_config)
     meter = _Meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(), launched=launched,
-                   out=out)
+                   out=out, trainer_settings=settings)
     micro = plan.micro_batch_size or batch_size
     if plan.strategy == "fsdp":
         plan = plan.replace(devices=spec.devices)
@@ -273,9 +274,6 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     kwargs.pop("devices", None)  # the trial's devices decide
     if kwargs.get("strategy") == "ddp":
         kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
-    settings = user_trainer_settings(target.trainer_config)
-    meter.trainer_settings = settings
-
     def fit() -> None:
         trainer = _trainer(spec, plan, kwargs, meter, micro, settings)
         trainer.fit(target.model, datamodule=target.datamodule)
@@ -361,8 +359,9 @@ class _Meter:
 
         class Meter(Callback):
             def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None,
-                         launched: float, out: str) -> None:
+                         launched: float, out: str, trainer_settings: dict[str, Any]) -> None:
                 self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
+                self.trainer_settings = trainer_settings
                 self.out = out
                 self.launched = launched
                 self.first_step: float | None = None
@@ -436,7 +435,7 @@ class _Meter:
                     startup_seconds=(self.first_step or time.time()) - self.launched,
                     wall_seconds=time.time() - self.launched,
                     reason="stopped early: clearly slower than the best plan so far" if self.pruned else "",
-                    trainer_settings=getattr(self, "trainer_settings", {}),
+                    trainer_settings=self.trainer_settings,
                 )
 
         return Meter(**kwargs)
