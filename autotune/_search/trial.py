@@ -359,9 +359,9 @@ class _Meter:
 
         class Meter(Callback):
             def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None,
-                         launched: float, out: str, trainer_settings: dict[str, Any]) -> None:
+                         launched: float, out: str, trainer_settings: dict[str, Any] | None = None) -> None:
                 self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
-                self.trainer_settings = trainer_settings
+                self.trainer_settings = trainer_settings or {}
                 self.out = out
                 self.launched = launched
                 self.first_step: float | None = None
