@@ -25,8 +25,11 @@ def build_search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", default=None, help="study name (default: derived from target, budget, space)")
     parser.add_argument("--out", default="tuned.yaml", help="where to write the best plan (default tuned.yaml)")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed")
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per trial (default 8)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per trial first (default 3)")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per trial at most (default 20)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed optimizer steps per trial at least; more while step time settles (default 2)")
+    parser.add_argument("--precision", type=_share, default=0.03,
+                        help="a trial stops timing once its 95%% interval is within +- this share (default 0.03)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per trial, for multi-device spaces: DDP, FSDP2 (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
@@ -45,9 +48,11 @@ def run_search(args: argparse.Namespace) -> int:
         result = search(
             target=args.target, budget=args.budget, config=args.config, space=args.space, trials=args.trials,
             timeout=args.timeout, storage=args.storage, study=args.study, out=args.out, seed=args.seed,
-            steps=args.steps, warmup=args.warmup, device=args.device, devices=args.devices,
-            callbacks=[progress] if progress else [], command=command,
+            steps=args.steps, warmup=args.warmup, precision=args.precision, device=args.device,
+            devices=args.devices, callbacks=[progress] if progress else [], command=command,
         )
+        if progress and result.figure:
+            progress.chosen(result.figure)
     except NoFeasiblePlanError as err:
         print(f"autotune: {err}", file=sys.stderr)
         return _EXIT_NO_PLAN
@@ -59,9 +64,26 @@ def run_search(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     peak = format_bytes(prov.peak_bytes) if prov.peak_bytes else "?"
     print(f"best plan (trial {result.trial_number} of study '{result.study.study_name}'): {plan.describe()}")
-    print(f"  {prov.samples_per_second:.1f} samples/s, peak {peak} of budget {prov.budget}")
+    figure = result.figure
+    chose = f"{figure.describe()}, 95% interval [{figure.low:.1f}, {figure.high:.1f}]" if figure else \
+        f"{prov.samples_per_second:.1f}/s"
+    print(f"  {chose}, peak {peak} of budget {prov.budget}")
+    close = (result.study.user_attrs.get("chosen") or {}).get("within_noise_of") or []
+    if close:
+        print(f"  within measurement noise of: {'; '.join(close)}")
     print(f"wrote {args.out}: python train.py fit --config your_config.yaml --config {args.out}")
     return _EXIT_OK
+
+
+def _share(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1 (0.03: +-3%); got {text!r}")
+    return value
 
 
 class _Progress:
@@ -90,14 +112,19 @@ class _Progress:
         if not self.started:
             self.progress.start()
             self.started = True
+        from autotune._search.choose import figures
+
         finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        feasible = [t for t in finished if t.user_attrs.get("status") == "ok"
-                    and t.user_attrs.get("peak_bytes", float("inf")) <= study.user_attrs.get("budget_bytes", 0)]
-        best = max(feasible, key=lambda t: t.value or 0.0, default=None)
-        best_text = f"best {best.value:.1f}/s ({best.user_attrs.get('plan')})" if best else "no feasible plan yet"
+        ranked = figures(study, study.user_attrs.get("budget_bytes", 0))  # what the search itself ranks by
+        best_text = f"best {ranked[0].samples_per_second:.1f}/s ({ranked[0].plan})" if ranked else \
+            "no feasible plan yet"
         last = f"{trial.user_attrs.get('plan', '?')}: {trial.user_attrs.get('status', trial.state.name.lower())}"
         self.progress.update(self.task, completed=min(len(finished), self.total),
-                             description=f"{len(feasible)} feasible | {best_text} | last {last}")
+                             description=f"{len(ranked)} fit | {best_text} | last {last}")
+
+    def chosen(self, figure: Any) -> None:
+        """The last line: the plan the search chose, after its re-measurements."""
+        self.progress.update(self.task, description=f"chosen {figure.samples_per_second:.1f}/s ({figure.plan})")
 
     def close(self) -> None:
         if self.started:

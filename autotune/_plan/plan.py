@@ -49,7 +49,9 @@ class Provenance:
     budget: str | None = None
     device_name: str | None = None
     device_total_bytes: int | None = None
-    samples_per_second: float | None = None
+    samples_per_second: float | None = None  # a search's: the mean of the chosen plan's runs
+    samples_per_second_interval: list[float] | None = None  # its 95%-style interval (see docs/search.md)
+    measurements: int | None = None  # how many runs the figure is the mean of
     tokens_per_second: float | None = None
     peak_bytes: int | None = None
     predicted_peak_bytes: int | None = None

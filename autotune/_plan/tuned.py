@@ -86,7 +86,10 @@ def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, A
 def _measured(prov: Mapping[str, Any]) -> list[str]:
     measured = []
     if prov.get("samples_per_second") is not None:
-        measured.append(f"{prov['samples_per_second']:.1f} samples/s")
+        interval = prov.get("samples_per_second_interval")
+        spread = f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else ""
+        runs = f" over {prov['measurements']} runs" if (prov.get("measurements") or 1) > 1 else ""
+        measured.append(f"{prov['samples_per_second']:.1f} samples/s{spread}{runs}")
     if prov.get("tokens_per_second") is not None:
         measured.append(f"{prov['tokens_per_second']:.0f} tokens/s")
     if prov.get("peak_bytes") is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune._device.budget import format_bytes
+from autotune._search.choose import chosen, remeasured_runs
 from autotune._search.storage import open_storage
 
 
@@ -34,6 +35,8 @@ def load_study(*, storage: str | None, study: str | None) -> Any:
 
 def _rows(study: Any) -> list[dict[str, Any]]:
     budget = study.user_attrs.get("budget_bytes")
+    choice = chosen(study) or {}
+    again = remeasured_runs(study)
     rows = []
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
@@ -42,25 +45,43 @@ def _rows(study: Any) -> list[dict[str, Any]]:
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
-            "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
-            "reason": attrs.get("reason", ""),
+            "interval": attrs.get("interval"), "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
+            "reason": attrs.get("reason", ""), "chosen": choice.get("trial") == t.number,
+            "remeasured": [r.get("samples_per_second") or 0.0 for r in again.get(str(t.number), [])],
         })
     return rows
 
 
+def _half(interval: Any, rate: float | None) -> str:
+    return f"+-{(interval[1] - interval[0]) / 2 / rate:.1%}" if interval and rate else "-"
+
+
 def trial_table(study: Any) -> str:
-    """A plain-text table of every trial: plan, throughput, peak, whether it fits, and why not."""
+    """A plain-text table of every trial: plan, throughput with its interval, peak, whether it fits, and why not;
+    the chosen plan marked ``*`` with the figures that chose it (the mean of all its runs)."""
     budget = study.user_attrs.get("budget", "?")
     lines = [f"study '{study.study_name}': target {study.user_attrs.get('target', '?')}, budget {budget}, "
              f"space {study.user_attrs.get('space', '?')}"]
-    header = f"{'#':>4}  {'state':<8} {'samples/s':>10} {'peak':>11} {'fits':<4}  plan / reason"
+    header = f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} {'fits':<4}  plan / reason"
     lines += [header, "-" * len(header)]
     for r in _rows(study):
         sps = f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-"
         peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
         fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
         why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
-        lines.append(f"{r['trial']:>4}  {r['state']:<8} {sps:>10} {peak:>11} {fits:<4}  {r['plan']}{why}")
+        again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
+        mark = "*" if r["chosen"] else " "
+        lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {_half(r['interval'], r['samples_per_second']):>8} "
+                     f"{peak:>11} {fits:<4}  {r['plan']}{why}{again}")
+    choice = chosen(study)
+    if choice:
+        low, high = choice["interval"]
+        runs = len(choice["runs"])
+        lines.append(f"* chosen: trial {choice['trial']}, {choice['plan']}: {choice['samples_per_second']:.1f} samples/s "
+                     f"(mean of {runs} run{'s' if runs > 1 else ''}, interval [{low:.1f}, {high:.1f}]), peak "
+                     f"{format_bytes(choice['peak_bytes'])}")
+        if choice.get("within_noise_of"):
+            lines.append(f"  within measurement noise of: {'; '.join(choice['within_noise_of'])}")
     return "\n".join(lines)
 
 
@@ -111,6 +132,12 @@ def write_plots(study: Any, out: str | Path) -> list[Path]:
                 label="Pareto front")
     if budget:
         ax.axvline(budget / gib, color="tab:orange", label=f"budget {study.user_attrs.get('budget', '')}")
+    choice = chosen(study)
+    if choice:
+        low, high = choice["interval"]
+        rate = choice["samples_per_second"]
+        ax.errorbar([choice["peak_bytes"] / gib], [rate], yerr=[[rate - low], [high - rate]], fmt="*", ms=14,
+                    color="tab:blue", label=f"chosen (trial {choice['trial']}, {len(choice['runs'])} runs)")
     ax.set_xlabel("peak memory (GiB)")
     ax.set_ylabel("throughput (samples/s)")
     ax.set_title(f"{study.study_name}: throughput vs memory")
@@ -122,14 +149,37 @@ def write_plots(study: Any, out: str | Path) -> list[Path]:
     from optuna.visualization import matplotlib as ovm
 
     completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if completed:
-        ax = ovm.plot_optimization_history(study)
-        written.append(_save(ax.figure, folder / "history.png", plt))
+    if rows:
+        written.append(_save(_history(study, rows, plt), folder / "history.png", plt))
     varied = {k for t in completed for k in t.params if len({str(o.params.get(k)) for o in completed}) > 1}
     if len(completed) >= 4 and varied:
         ax = ovm.plot_param_importances(study)
         written.append(_save(ax.figure, folder / "importance.png", plt))
     return written
+
+
+def _history(study: Any, rows: list[dict[str, Any]], plt: Any) -> Any:
+    """Each trial's samples/s with its interval, in trial order, fitting or not; the chosen plan's figure (the mean
+    of its runs) as a star. Optuna's own history plot would call the trial with the largest single value best."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "over budget or stopped early")):
+        pts = [r for r in rows if (bool(r["fits"]) and r["status"] == "ok") is fits]
+        ax.errorbar([r["trial"] for r in pts], [r["samples_per_second"] for r in pts],
+                    yerr=[[r["samples_per_second"] - r["interval"][0] if r["interval"] else 0 for r in pts],
+                          [r["interval"][1] - r["samples_per_second"] if r["interval"] else 0 for r in pts]],
+                    fmt="o", color=colour, alpha=0.7, label=label)
+    choice = chosen(study)
+    if choice:
+        low, high = choice["interval"]
+        rate = choice["samples_per_second"]
+        ax.errorbar([choice["trial"]], [rate], yerr=[[rate - low], [high - rate]], fmt="*", ms=14, color="tab:blue",
+                    label=f"chosen: {choice['plan']} ({len(choice['runs'])} runs)")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{study.study_name}: trials")
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

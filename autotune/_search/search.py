@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -14,18 +14,24 @@ from typing import Any
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
 from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
+from autotune._search.choose import Figure, choose, figures, run_of
+from autotune._search.rank import (
+    SearchEstimator,
+    guided_trials,
+    ranked_candidates,
+    sharded_devices,
+    with_variations,
+)
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import exclusive, open_storage, recover_dead_workers, requeue_interrupted, worker_id
-from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, run_trial
+from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, check_precision, run_trial
 
 log = logging.getLogger("autotune")
 
 #: A plan the estimator predicts above this multiple of the budget is recorded infeasible without running.
 ESTIMATE_REJECT_FACTOR = 1.5
-#: Stop a trial early when its steady-state throughput is below this share of the best feasible one so far.
+#: Stop a trial early when the top of its interval is below this share of the bottom of the second best plan's.
 EARLY_STOP_SHARE = 0.9
-#: How many of the best plans are measured again before one is chosen.
-REMEASURE_TOP = 3
 
 
 class NoFeasiblePlanError(RuntimeError):
@@ -44,6 +50,7 @@ class SearchResult:
     study: Any
     trial_number: int
     notes: tuple[str, ...] = ()
+    figure: Figure | None = None  # the chosen plan's throughput over all its runs, with its interval
 
 
 def search(
@@ -58,8 +65,9 @@ def search(
     study: str | None = None,
     out: str | Path | None = "tuned.yaml",
     seed: int | None = None,
-    steps: int = 8,
-    warmup: int = 3,
+    steps: int = 20,
+    warmup: int = 2,
+    precision: float = 0.03,
     device: str | None = None,
     devices: int = 1,
     trial_timeout: float = 600.0,
@@ -68,9 +76,12 @@ def search(
 ) -> SearchResult:
     """Search the plan space for the fastest plan whose measured peak memory fits ``budget``.
 
-    Every trial trains ``warmup + steps`` optimizer steps of the target in a fresh process and measures end-to-end
-    samples/s (data loading included) and peak memory. The budget is an Optuna constraint; an OOM is a completed,
-    infeasible trial. Rerunning the same call resumes the study (``trials`` is the total for the study).
+    Every trial trains the target in a fresh process and measures end-to-end samples/s (data loading included) with
+    its 95% interval, and peak memory: warm-up until the step time is stable, then timed steps until the interval is
+    within ``precision`` or ``steps`` steps. The budget is an Optuna constraint; an OOM is a completed, infeasible
+    trial. The estimator orders the first trials (plans predicted to fit, fastest predicted first) and rejects plans
+    predicted far over the budget without running them. Before choosing, the plans whose intervals overlap the
+    leader's are measured again. Rerunning the same call resumes the study (``trials`` is the total for the study).
 
     Args:
         target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
@@ -83,8 +94,9 @@ def search(
         study: the study name; None derives it from target, budget, space and device, so a rerun resumes.
         out: where the best plan is written (atomically); None writes nothing.
         seed: the sampler's seed.
-        steps: timed optimizer steps per trial.
-        warmup: untimed optimizer steps first.
+        steps: timed optimizer steps per trial at most.
+        warmup: untimed optimizer steps per trial at least (more while the step time settles).
+        precision: a trial stops timing once its 95% interval is within +- this share of its throughput.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
         devices: devices (ranks) per trial, for the multi-device spaces (DDP, FSDP2); a sharded plan records it.
         trial_timeout: seconds before a trial is stopped and recorded as failed.
@@ -113,6 +125,7 @@ def search(
     check_positive_int("steps", steps)
     check_positive_int("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
     check_positive_int("devices", devices)
+    check_precision(precision)
     out_path = _check_out(out)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     tgt = load_target(target, config=config)
@@ -130,22 +143,25 @@ def search(
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no INFO line per trial; the caller's level comes back
     try:
-        sampler = optuna.samplers.TPESampler(seed=seed)
+        guided = guided_trials(trials, len(space_obj.seeds))
+        # The sampler models the measurements from the first unguided trial on (Optuna's default waits for 10).
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=guided)
         the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                         load_if_exists=True)
         _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
                            "batch_size": batch_size})
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
-        with exclusive(stor):
-            for params in space_obj.seeds:
-                the_study.enqueue_trial(dict(params), skip_if_exists=True)
-        recover_dead_workers(the_study)
-        requeue_interrupted(the_study)
-
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
-                            trial_timeout=trial_timeout)
+                            precision=precision, trial_timeout=trial_timeout)
+        recover_dead_workers(the_study)
+        requeue_interrupted(the_study)
         if finished(the_study) < trials:
+            if not the_study.trials:  # a new study: its first trials are the seeds, then the estimator's ranking
+                runner.measure_baseline()
+                with exclusive(stor):
+                    for params in runner.first_trials(guided):
+                        the_study.enqueue_trial(params, skip_if_exists=True)
             logging.getLogger(OPTUNA_OPTIMIZE).addFilter(drop_interrupts)  # Ctrl-C: the CLI's one line only
             the_study.optimize(
                 runner,
@@ -154,30 +170,31 @@ def search(
                 callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
                 catch=(_TrialCrashed,),
             )
-        best = _choose(the_study, runner, budget_bytes, parsed_budget)
+        figure = choose(the_study, budget_bytes, runner.remeasure)
+        if figure is None:
+            raise NoFeasiblePlanError(_no_fit_message(the_study, parsed_budget, budget_bytes))
+        best = the_study.trials[figure.trial]
+        tokens = best.user_attrs.get("tokens_per_second")
         plan = plan_from_params(
             best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
             **sharded_devices(best.params, devices),
             provenance=Provenance.here(
                 budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
-                samples_per_second=best.user_attrs.get("samples_per_second"),
-                tokens_per_second=best.user_attrs.get("tokens_per_second"),
-                peak_bytes=best.user_attrs.get("peak_bytes"),
+                samples_per_second=figure.samples_per_second, samples_per_second_interval=[figure.low, figure.high],
+                measurements=len(figure.runs),
+                tokens_per_second=tokens * figure.samples_per_second / best.user_attrs["samples_per_second"]
+                if tokens else None,
+                peak_bytes=figure.peak_bytes, predicted_peak_bytes=best.user_attrs.get("predicted_peak_bytes"),
                 command=command, produced_by=f"search (study '{name}', trial {best.number})",
                 trainer_settings=best.user_attrs.get("trainer_settings") or {},
             ),
         )
         if out_path is not None:
             plan.save(out_path, command=command)
-        return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes)
+        return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes, figure=figure)
     finally:
         logging.getLogger(OPTUNA_OPTIMIZE).removeFilter(drop_interrupts)
         optuna.logging.set_verbosity(verbosity)
-
-
-def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
-    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
-    return {"devices": devices} if params.get("strategy") == "fsdp" else {}
 
 
 def _check_out(out: str | Path | None) -> Path | None:
@@ -216,12 +233,33 @@ class _Objective:
     """One Optuna trial: suggest a plan, reuse a measurement of the same plan or run it, record the constraint."""
 
     def __init__(self, *, target: str, config: str | None, target_obj: Any, space: SearchSpace, budget: Budget,
-                 budget_bytes: int, device: Any, devices: int, steps: int, warmup: int, trial_timeout: float) -> None:
+                 budget_bytes: int, device: Any, devices: int, steps: int, warmup: int, precision: float,
+                 trial_timeout: float) -> None:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
-        self.steps, self.warmup, self.trial_timeout = steps, warmup, trial_timeout
+        self.steps, self.warmup, self.precision, self.trial_timeout = steps, warmup, precision, trial_timeout
         self._auto_cache: dict[tuple[Any, ...], int] = {}
-        self.estimator = _Estimator(target_obj, device)
+        self.estimator = SearchEstimator(target_obj, device)
+
+    def measure_baseline(self) -> None:
+        """On CPU, where a trial's peak is its process's resident set, measure what a trial holds besides the
+        tensors the estimator counts: one short trial at micro-batch 1 (its peak less its estimate)."""
+        if self.device.type == "cuda":
+            return
+        plan = Plan(micro_batch_size=1)
+        result = run_trial(dataclasses.replace(self._spec(plan), steps=1, warmup=1), timeout=self.trial_timeout)
+        if result.status == "ok" and result.peak_bytes:
+            self.estimator.calibrate(plan, result.peak_bytes)
+
+    def first_trials(self, count: int) -> list[dict[str, Any]]:
+        """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
+        seeds = [dict(p) for p in self.space.seeds]
+        batch_size = self.target_obj.batch_size()
+        ranked = ranked_candidates(
+            self.space, limit=count, batch_size=batch_size, device_type=self.device.type, devices=self.devices,
+            resolve_micro=self._auto_micro, peak=self.estimator.peak, budget_bytes=self.budget_bytes)
+        extra = [p for p in with_variations(self.space, ranked) if p not in seeds]
+        return (seeds + extra)[:max(count, len(seeds))]
 
     def __call__(self, trial: Any) -> float:
         import optuna
@@ -276,7 +314,7 @@ class _Objective:
     def _spec(self, plan: Plan, *, stop_below: float | None = None) -> TrialSpec:
         return TrialSpec(target=self.target, config=self.config, plan=plan.to_dict(), budget=str(self.budget),
                          device=self.device.type, devices=self.devices, steps=self.steps, warmup=self.warmup,
-                         stop_below=stop_below)
+                         precision=self.precision, stop_below=stop_below)
 
     def _record(self, trial: Any, result: TrialResult, *, source: str) -> float:
         peak = result.peak_bytes
@@ -308,13 +346,10 @@ class _Objective:
         return None
 
     def _stop_below(self, study: Any) -> float | None:
-        from optuna.trial import TrialState
-
-        feasible = sorted((t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                           if t.value and t.user_attrs.get("status") == "ok" and t.user_attrs.get("source") != "cache"
-                           and t.user_attrs.get("peak_bytes", math.inf) <= self.budget_bytes), reverse=True)
-        # The second best, not the best: one lucky measurement must not stop every trial after it.
-        return EARLY_STOP_SHARE * feasible[1] if len(feasible) >= 2 else None
+        # The second best plan's, not the best's: one lucky measurement must not stop every trial after it. A trial
+        # stops only when the top of its own interval is below this.
+        ranked = figures(study, self.budget_bytes)
+        return EARLY_STOP_SHARE * ranked[1].low if len(ranked) >= 2 else None
 
     def _predict(self, plan: Plan) -> int | None:
         return self.estimator.peak(plan)  # per rank: a sharded plan's devices are its world size
@@ -326,42 +361,11 @@ class _Objective:
             self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
         return self._auto_cache[key]
 
-    def remeasure(self, plan: Plan) -> TrialResult:
-        return run_trial(self._spec(plan), timeout=self.trial_timeout)
-
-
-def _feasible_trials(study: Any, budget_bytes: int) -> list[Any]:
-    from optuna.trial import TrialState
-
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("status") == "ok" and t.user_attrs.get("peak_bytes", math.inf) <= budget_bytes]
-
-
-def _choose(study: Any, runner: _Objective, budget_bytes: int, budget: Budget) -> Any:
-    """The best feasible trial after measuring the top few distinct plans once more (noise inflates winners)."""
-    feasible = _feasible_trials(study, budget_bytes)
-    if not feasible:
-        raise NoFeasiblePlanError(_no_fit_message(study, budget, budget_bytes))
-    distinct: dict[str, Any] = {}
-    for t in sorted(feasible, key=lambda t: t.value or 0.0, reverse=True):
-        distinct.setdefault(t.user_attrs.get("plan_key", t.user_attrs["plan"]), t)
-    top = list(distinct.values())[:REMEASURE_TOP]
-    if len(top) == 1:
-        return top[0]
-    remeasured = dict(study.user_attrs.get("remeasured", {}))
-    scores = {}
-    for t in top:
-        runs = remeasured.get(str(t.number))
-        if runs is None:
-            again = runner.remeasure(plan_from_params(t.params, micro_batch_size=t.user_attrs.get("micro_batch_size"),
-                                                      **sharded_devices(t.params, runner.devices)))
-            fits = again.status == "ok" and (again.peak_bytes or 0) <= budget_bytes
-            runs = [again.samples_per_second if fits else 0.0]
-            remeasured[str(t.number)] = runs
-        scores[t.number] = (t.value + sum(runs)) / (1 + len(runs))
-    study.set_user_attr("remeasured", remeasured)
-    best_number = max(scores, key=lambda n: scores[n])
-    return next(t for t in top if t.number == best_number)
+    def remeasure(self, trial: Any) -> dict[str, Any]:
+        """Measure ``trial``'s plan once more (a contender for best); the run's record."""
+        plan = plan_from_params(trial.params, micro_batch_size=trial.user_attrs.get("micro_batch_size"),
+                                **sharded_devices(trial.params, self.devices))
+        return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
 
 
 def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
@@ -379,74 +383,3 @@ def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
     smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
     return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "
             f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")
-
-
-_FAILED = object()  # the estimator could not tell
-
-
-class _Estimator:
-    """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
-
-    The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
-    the baseline (this process's resident set with the target loaded, about what a fresh trial holds before its first
-    step) is added. On CUDA the trial's allocator is capped at the budget, which is what the estimate is compared to.
-    Any failure of the estimator is logged and the search goes on without it.
-    """
-
-    def __init__(self, target: Any, device: Any) -> None:
-        from autotune._device.meter import current_rss_bytes
-
-        self.target, self.device = target, device
-        self.baseline = current_rss_bytes() if device.type != "cuda" else 0
-        self.calibrated = device.type == "cuda"  # on CPU, until a trial has measured the baseline
-        self._batch: Any = None
-        self._warned = False
-
-    def calibrate(self, plan: Plan, measured_peak: int) -> bool:
-        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
-        largest seen, so later choices err on the side of fitting). Returns whether the baseline changed."""
-        if self.device.type == "cuda":
-            return False
-        from autotune._estimate.estimate import estimate
-
-        predicted = self._call(estimate, plan=plan)
-        if predicted is _FAILED:
-            return False
-        baseline = measured_peak - predicted.predicted_peak_bytes
-        changed = not self.calibrated or baseline > self.baseline
-        if changed:
-            self.baseline, self.calibrated = baseline, True
-        return changed
-
-    def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        from autotune._estimate.estimate import first_batch
-
-        try:
-            if self._batch is None:
-                self._batch = first_batch(self.target)
-            return fn(model=self.target.model, batch=self._batch, device=self.device, **kwargs)
-        except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
-            if not self._warned:
-                self._warned = True
-                log.warning("autotune: the estimator cannot trace this target (%s: %s); trials run unestimated",
-                            type(err).__name__, " ".join(str(err).split())[:200])
-            return _FAILED
-
-    def peak(self, plan: Plan) -> int | None:
-        from autotune._estimate.estimate import estimate
-
-        result = self._call(estimate, plan=plan)
-        return None if result is _FAILED else result.predicted_peak_bytes + self.baseline
-
-    def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
-        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails. On
-        CPU the baseline is this process's resident set until a trial has measured one (see :meth:`calibrate`)."""
-        from autotune._estimate.estimate import max_micro_batch_size
-
-        room = budget_bytes - self.baseline
-        if room <= 0:
-            return 1
-        micro = self._call(max_micro_batch_size, plan=plan, budget_bytes=room)
-        if micro is _FAILED:
-            return batch_size
-        return 1 if micro is None else int(micro)

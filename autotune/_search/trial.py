@@ -15,64 +15,16 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
+from autotune._search.meter import TrialResult, TrialSpec
+
+__all__ = ["TrialResult", "TrialSpec", "check_positive_int", "check_precision", "measure_plan", "run_trial"]
 
 _PRELOAD = ["torch", "lightning", "lightning.pytorch", "autotune", "autotune.callbacks", "autotune._target.target"]
 _CONTEXT: Any = None
-
-
-@dataclass(frozen=True)
-class TrialSpec:
-    """What a trial process needs (picklable): where the model comes from, the plan, and how long to measure."""
-
-    target: str
-    config: str | None
-    plan: dict[str, Any]  # the plan's dict form (Plan.to_dict)
-    budget: str | None
-    device: str  # "cpu" or "cuda"
-    devices: int = 1
-    steps: int = 8
-    warmup: int = 3
-    stop_below: float | None = None  # samples/s: stop early when clearly slower than the best so far
-
-    def memory_plan(self) -> Any:
-        """The :class:`~autotune.Plan` of this trial, read back from its dict form."""
-        from autotune._plan.plan import Plan
-
-        return Plan.from_dict(self.plan)
-
-
-@dataclass(frozen=True)
-class TrialResult:
-    """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
-
-    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
-    (``reason`` says why). Peaks are the run's peak memory in the budget's measure (CUDA: allocator reserved bytes
-    plus the CUDA context; CPU: the process's peak resident set), the worst rank's under DDP.
-
-    Example:
-        >>> TrialResult("oom", reason="CUDA out of memory").status
-        'oom'
-    """
-
-    status: str
-    samples_per_second: float | None = None
-    tokens_per_second: float | None = None
-    peak_bytes: int | None = None
-    steps_timed: int = 0
-    flops_per_sample: float | None = None
-    mfu: float | None = None
-    startup_seconds: float | None = None
-    wall_seconds: float | None = None
-    reason: str = ""
-    trainer_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def as_attrs(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def measure_plan(
@@ -83,12 +35,17 @@ def measure_plan(
     config: str | None = None,
     device: str | None = None,
     devices: int = 1,
-    steps: int = 8,
-    warmup: int = 3,
+    steps: int = 20,
+    warmup: int = 2,
+    precision: float = 0.03,
     timeout: float = 600.0,
 ) -> TrialResult:
-    """Measure one plan as a search trial does: ``warmup + steps`` optimizer steps of ``target`` with ``plan``
-    applied, in a fresh process, timed end to end (data loading included) with the run's peak memory.
+    """Measure one plan as a search trial does: ``target`` trained with ``plan`` applied, in a fresh process, timed
+    end to end (data loading included) with the run's peak memory.
+
+    After at least ``warmup`` steps, warm-up goes on until a step takes within 10% of the step before it (at most 5
+    more steps); then steps are timed until the throughput's 95% interval is within ``precision`` of it (at least
+    3 steps) or ``steps`` steps have been timed. The result carries the interval.
 
     Args:
         target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
@@ -97,8 +54,9 @@ def measure_plan(
         config: a LightningCLI config giving the rest of a factory target (trainer settings).
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
         devices: devices (DDP ranks) for the run.
-        steps: timed optimizer steps.
-        warmup: untimed optimizer steps first (at least 1: timing starts at the end of the last one).
+        steps: timed optimizer steps at most.
+        warmup: untimed optimizer steps at least (timing starts at the end of the last one).
+        precision: stop timing once the 95% interval is within +- this share of the throughput (0 < precision < 1).
         timeout: seconds before the run is stopped and reported as an error.
 
     Returns:
@@ -123,10 +81,11 @@ def measure_plan(
     check_positive_int("steps", steps)
     check_positive_int("warmup", warmup)
     check_positive_int("devices", devices)
+    check_precision(precision)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     spec = TrialSpec(target=str(target), config=config, plan=plan.to_dict(),
                      budget=None if budget is None else str(Budget.parse(budget)), device=dev.type, devices=devices,
-                     steps=steps, warmup=warmup)
+                     steps=steps, warmup=warmup, precision=precision)
     return run_trial(spec, timeout=timeout)
 
 
@@ -134,6 +93,12 @@ def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def check_precision(precision: Any) -> None:
+    """Raise ``ValueError`` unless ``precision`` (a measurement's relative half-width) is a number in (0, 1)."""
+    if isinstance(precision, bool) or not isinstance(precision, (int, float)) or not 0 < precision < 1:
+        raise ValueError(f"precision must be a number between 0 and 1 (0.03: +-3%); got {precision!r}")
 
 
 def _context() -> Any:
@@ -182,7 +147,8 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
             _kill_tree(proc.pid)  # the trial with its DDP ranks and dataloader workers, which would outlive it
             proc.join()
         if out.exists():
-            return TrialResult(**json.loads(out.read_text()))
+            data = json.loads(out.read_text())
+            return TrialResult(**{**data, "interval": tuple(data["interval"]) if data.get("interval") else None})
         if timed_out:
             return TrialResult("error", reason=f"timed out after {timeout:.0f} s", wall_seconds=time.time() - launched)
         tail = _tail(Path(tmp) / "trial.log")
@@ -224,6 +190,10 @@ def _child(spec: TrialSpec, out: str, launched: float) -> None:
         os._exit(1)
     os.dup2(log_fd, 1)  # the trial's own output (Lightning's banners, warnings) stays out of the search's
     os.dup2(log_fd, 2)
+    # The trial's own processes (DataLoader workers) start as in the user's run, the platform's default way (fork on
+    # Linux before Python 3.14), not as this fork server's child would (forkserver: slow worker starts, and
+    # semaphores registered with the search's resource tracker that the trial's quick exit leaves behind).
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     try:
         _measure(spec, launched, out)
     except BaseException as exc:  # the trial's own failure is its result, never the search's
@@ -257,6 +227,7 @@ def _failure(exc: BaseException) -> tuple[bool, str]:
 
 
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
+    from autotune._search.meter import make_meter
     from autotune._target.target import load_target
 
     plan = spec.memory_plan()
@@ -265,8 +236,8 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     target = load_target(spec.target, config=spec.config)
     batch_size = target.batch_size()
     settings = user_trainer_settings(target.trainer_config)
-    meter = _Meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(), launched=launched,
-                   out=out, trainer_settings=settings)
+    meter = make_meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(),
+                       launched=launched, out=out, trainer_settings=settings)
     micro = plan.micro_batch_size or batch_size
     if plan.strategy == "fsdp":
         plan = plan.replace(devices=spec.devices)
@@ -329,12 +300,13 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, mic
              settings: dict[str, Any]) -> Any:
     import lightning as L
 
+    from autotune._search.meter import EXTRA_WARMUP
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
     return L.Trainer(
         accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
         devices=spec.devices,
-        max_steps=spec.warmup + spec.steps,
+        max_steps=spec.warmup + EXTRA_WARMUP + spec.steps,  # the meter stops the run when it knows enough
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -349,135 +321,3 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, mic
         **settings,
         **kwargs,
     )
-
-
-class _Meter:
-    """Times optimizer steps after warm-up (data loading included) and reads the peak memory of the run."""
-
-    def __new__(cls, **kwargs: Any) -> Any:
-        from lightning.pytorch import Callback
-
-        class Meter(Callback):
-            def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None,
-                         launched: float, out: str, trainer_settings: dict[str, Any] | None = None) -> None:
-                self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
-                self.trainer_settings = trainer_settings or {}
-                self.out = out
-                self.launched = launched
-                self.first_step: float | None = None
-                self.marks: list[float] = []
-                self.pruned = False
-                self.flops: float | None = None  # of one optimizer step, counted on the last warm-up step
-
-            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-                if self.first_step is None:
-                    self.first_step = time.time()
-                if trainer.global_step == self.spec.warmup - 1 and self.spec.warmup > 0:  # the last untimed step
-                    from torch.utils.flop_counter import FlopCounterMode
-
-                    self.counter = FlopCounterMode(display=False)
-                    self.counter.__enter__()
-
-            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-                self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
-
-            def _count_done(self) -> None:
-                counter = getattr(self, "counter", None)
-                if counter is not None and self.flops is None:
-                    counter.__exit__(None, None, None)
-                    self.flops = float(counter.get_total_flops())
-
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                                   batch_idx: int) -> None:
-                self._count_done()
-                if trainer.global_step < self.spec.warmup:
-                    return
-                _sync(pl_module.device)
-                self.marks.append(time.perf_counter())
-                timed = len(self.marks) - 1
-                threshold = self.spec.stop_below
-                if threshold and timed >= max(2, self.spec.steps // 3):  # the same on every rank
-                    # Under DDP every rank times its own steps: the ranks stop together when any of them is too slow
-                    # (a rank that stops alone leaves the others waiting in a collective that then fails).
-                    if trainer.strategy.reduce_boolean_decision(self.rate() < threshold, all=False):
-                        self.pruned = True
-                        trainer.should_stop = True
-
-            def rate(self) -> float:
-                timed = len(self.marks) - 1
-                return timed * self.batch_size * max(1, self.spec.devices) / (self.marks[-1] - self.marks[0])
-
-            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-                self.peak = _peak_bytes(pl_module.device)
-                if trainer.world_size > 1:  # under DDP, the largest peak of the ranks (the budget is per device)
-                    import torch
-
-                    peak = torch.tensor(self.peak, dtype=torch.int64, device=pl_module.device)
-                    self.peak = int(trainer.strategy.reduce(peak, reduce_op="max"))
-                if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
-                    Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
-
-            def result(self) -> TrialResult:
-                timed = len(self.marks) - 1
-                if timed < 1:
-                    return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
-                rate = self.rate()
-                per_sample = self.flops / self.batch_size if self.flops else None
-                peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
-                return TrialResult(
-                    "pruned" if self.pruned else "ok",
-                    samples_per_second=rate,
-                    tokens_per_second=rate * self.tokens if self.tokens else None,
-                    peak_bytes=getattr(self, "peak", None),
-                    flops_per_sample=per_sample,
-                    mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
-                    steps_timed=timed,
-                    startup_seconds=(self.first_step or time.time()) - self.launched,
-                    wall_seconds=time.time() - self.launched,
-                    reason="stopped early: clearly slower than the best plan so far" if self.pruned else "",
-                    trainer_settings=self.trainer_settings,
-                )
-
-        return Meter(**kwargs)
-
-
-#: Dense peak FLOP/s per GPU by name fragment: (16-bit, TF32). MFU is reported only for GPUs listed here.
-_PEAK_FLOPS = {"H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
-               "L40S": (362e12, 183e12), "A10": (125e12, 62.5e12), "L4": (121e12, 60e12), "V100": (125e12, 15.7e12)}
-
-
-def peak_flops_per_second(device: str, precision: str) -> float | None:
-    """The device's dense peak FLOP/s for the precision, or None when unknown (CPUs, unlisted GPUs)."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    name = torch.cuda.get_device_name(0)
-    for fragment, (half, tf32) in _PEAK_FLOPS.items():
-        if fragment in name:
-            return half if precision.startswith(("bf16", "16")) else tf32
-    return None
-
-
-def _sync(device: Any) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def _peak_bytes(device: Any) -> int:
-    """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
-    the allocator holds now). CPU: the process's peak resident set size."""
-    from autotune._device.meter import peak_rss_bytes
-
-    if device.type != "cuda":
-        return peak_rss_bytes()
-    import torch
-
-    from autotune._device.probe import process_device_bytes
-
-    reserved_now = torch.cuda.memory_reserved(device)
-    process_now = process_device_bytes(device.index or 0)  # None where NVML does not list this process
-    context = max(0, process_now - reserved_now) if process_now is not None else 0
-    return torch.cuda.max_memory_reserved(device) + context

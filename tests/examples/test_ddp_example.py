@@ -198,26 +198,35 @@ def test_a_ddp_trial_past_its_timeout_is_killed_with_its_ranks() -> None:
     assert alive == []
 
 
-@pytest.mark.parametrize("other_rank_slow", [False, True])
-def test_ranks_decide_together_to_stop_a_slow_trial(other_rank_slow: bool, tmp_path: Path) -> None:
-    """A trial stopped early stops on every rank: a rank that stopped alone would leave the other one waiting."""
-    from autotune._search.trial import _Meter
+@pytest.mark.parametrize("rank0_says", ["enough", "too slow"])
+def test_every_rank_follows_rank_0s_timing_decisions(rank0_says: str, tmp_path: Path) -> None:
+    """Warm-up's end and the stop are rank 0's decisions, broadcast to every rank: a rank that decided alone (its own
+    step times differ a little) would stop while its peers wait in a collective."""
+    from autotune._search import meter as meter_module
 
-    class Strategy:
+    codes = {"go on": meter_module._GO_ON, "starts": meter_module._TIMING_STARTS, "enough": meter_module._ENOUGH,
+             "too slow": meter_module._TOO_SLOW}
+    rank0 = ["go on", "starts", "go on", "go on", rank0_says]  # rank 0's decision after each of 5 steps
+
+    class Strategy:  # this meter is rank 1's: broadcast(src=0) answers with rank 0's decision
         def __init__(self) -> None:
-            self.votes: list[tuple[bool, bool]] = []
+            self.own: list[int] = []
 
-        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-            self.votes.append((decision, all))
-            return decision or other_rank_slow  # any rank too slow: every rank stops
+        def broadcast(self, obj: int, src: int = 0) -> int:
+            assert src == 0
+            self.own.append(obj)
+            return codes[rank0[len(self.own) - 1]]
 
-    spec = TrialSpec(target=TARGET, config=None, plan={}, budget=None, device="cpu", devices=2, steps=3, warmup=1,
-                     stop_below=1.0)  # samples/s: this rank is far faster
-    meter = _Meter(spec=spec, batch_size=64, tokens_per_sample=None, launched=0.0, out=str(tmp_path / "r.json"))
+    spec = TrialSpec(target=TARGET, config=None, plan={}, budget=None, device="cpu", devices=2, steps=20, warmup=1)
+    meter = meter_module.make_meter(spec=spec, batch_size=64, tokens_per_sample=None, launched=0.0,
+                                    out=str(tmp_path / "r.json"))
     trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=Strategy())
     module = SimpleNamespace(device=torch.device("cpu"))
-    for step in (1, 2, 3):
-        trainer.global_step = step
+    for step in range(5):
+        meter.on_train_batch_start(trainer, module, None, step)
+        assert not trainer.should_stop
+        trainer.global_step = step + 1
         meter.on_train_batch_end(trainer, module, None, None, step)
-    assert trainer.strategy.votes == [(False, False)]  # one vote, at the first step that may stop (2 timed steps)
-    assert trainer.should_stop is other_rank_slow and meter.pruned is other_rank_slow
+    assert len(trainer.strategy.own) == 5  # one decision (one collective) per step
+    assert len(meter.marks) == 4  # timing started where rank 0 said, after the second step
+    assert trainer.should_stop and meter.pruned is (rank0_says == "too slow")

@@ -1,0 +1,315 @@
+"""How a trial measures: warm-up until step time is stable, then timed steps until the throughput is known to a stated
+precision (a 95% interval) or a step cap; the run's peak memory; FLOPs and MFU where the device's peak is known.
+
+Step times are end to end (data loading included), one per optimizer step. The interval is Student's t interval of
+the mean step time, turned into samples/s: it says how well *this run* knows its throughput. Runs of the same plan in
+other processes scatter more than that (CPU frequency, neighbours, page cache); the search measures its contenders
+again for that reason (``autotune/_search/choose.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """What a trial process needs (picklable): where the model comes from, the plan, and how long to measure."""
+
+    target: str
+    config: str | None
+    plan: dict[str, Any]  # the plan's dict form (Plan.to_dict)
+    budget: str | None
+    device: str  # "cpu" or "cuda"
+    devices: int = 1
+    steps: int = 20  # timed steps at most
+    warmup: int = 2  # warm-up steps at least (more while the step time is not stable)
+    precision: float = 0.03  # stop timing once the 95% interval is within +- this share of the throughput
+    stop_below: float | None = None  # samples/s: stop early when the interval's top is below this
+
+    def memory_plan(self) -> Any:
+        """The :class:`~autotune.Plan` of this trial, read back from its dict form."""
+        from autotune._plan.plan import Plan
+
+        return Plan.from_dict(self.plan)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
+
+    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
+    (``reason`` says why). Peaks are the run's peak memory in the budget's measure (CUDA: allocator reserved bytes
+    plus the CUDA context; CPU: the process's peak resident set), the worst rank's under DDP. ``interval`` is the
+    95% interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded);
+    ``warmup_steps`` how many steps ran before timing started (more than asked while the step time was settling).
+
+    Example:
+        >>> TrialResult("oom", reason="CUDA out of memory").status
+        'oom'
+    """
+
+    status: str
+    samples_per_second: float | None = None
+    interval: tuple[float, float] | None = None  # the 95% interval of samples_per_second over this run's steps
+    tokens_per_second: float | None = None
+    peak_bytes: int | None = None
+    steps_timed: int = 0
+    warmup_steps: int = 0
+    flops_per_sample: float | None = None
+    mfu: float | None = None
+    startup_seconds: float | None = None
+    wall_seconds: float | None = None
+    reason: str = ""
+    trainer_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_attrs(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+#: Timed steps a trial takes at least before its interval may stop it (below 5, a lucky run of similar steps gives a
+#: narrow interval that misses: optional stopping).
+MIN_TIMED = 5
+#: Warm-up ends when a step's time is within this share of the step before it.
+STABLE_WITHIN = 0.10
+#: Warm-up steps a trial may add to its minimum while the step time has not settled.
+EXTRA_WARMUP = 5
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom 1..30 (normal beyond).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom (``df >= 1``)."""
+    return _T95[df - 1] if df <= len(_T95) else (2.0 if df <= 60 else 1.96)
+
+
+def throughput(durations: Sequence[float], samples_per_step: float) -> tuple[float, float, float]:
+    """Samples/s over ``durations`` (seconds per step) and its 95% interval ``(rate, low, high)``.
+
+    The interval is the t interval of the mean step time, inverted; with fewer than two steps it is unbounded.
+
+    Example:
+        >>> rate, low, high = throughput([0.10, 0.11, 0.09, 0.10], 32)
+        >>> round(rate), low < rate < high
+        (320, True)
+    """
+    mean = statistics.fmean(durations)
+    rate = samples_per_step / mean
+    if len(durations) < 2:
+        return rate, 0.0, math.inf
+    half = t95(len(durations) - 1) * statistics.stdev(durations) / math.sqrt(len(durations))
+    return rate, samples_per_step / (mean + half), (samples_per_step / (mean - half) if mean > half else math.inf)
+
+
+def relative_half_width(durations: Sequence[float]) -> float:
+    """Half the 95% interval of the mean step time over the mean (``inf`` below two steps)."""
+    if len(durations) < 2:
+        return math.inf
+    return t95(len(durations) - 1) * statistics.stdev(durations) / math.sqrt(len(durations)) / statistics.fmean(durations)
+
+
+def warmed_up(durations: Sequence[float], *, minimum: int) -> bool:
+    """Whether warm-up may end after the steps ``durations`` timed: at least ``minimum`` steps, and the last step's
+    time within ``STABLE_WITHIN`` of the one before (or ``EXTRA_WARMUP`` steps past the minimum)."""
+    done = len(durations)
+    if done < minimum:
+        return False
+    if done >= minimum + EXTRA_WARMUP:
+        return True
+    return done >= 2 and abs(durations[-1] - durations[-2]) <= STABLE_WITHIN * durations[-2]
+
+
+# What rank 0 decides after a step; every rank follows (a rank deciding alone would leave its peers in a collective).
+_GO_ON, _TIMING_STARTS, _ENOUGH, _TOO_SLOW = range(4)
+
+
+def make_meter(**kwargs: Any) -> Any:
+    """The trial's :class:`~lightning.pytorch.Callback` (built here so that Lightning is imported in the trial only)."""
+    from lightning.pytorch import Callback
+
+    class Meter(Callback):
+        """Times optimizer steps (warm-up until stable, then until the interval is narrow enough or the cap), counts
+        FLOPs of one step, and writes the trial's result at the end of training."""
+
+        def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None, launched: float,
+                     out: str, trainer_settings: dict[str, Any] | None = None) -> None:
+            self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
+            self.trainer_settings = trainer_settings or {}
+            self.out, self.launched = out, launched
+            self.first_step: float | None = None
+            self.step_start: float | None = None
+            self.warmup_durations: list[float] = []
+            self.marks: list[float] = []  # step ends from the end of warm-up on
+            self.pruned = False
+            self.flops: float | None = None  # of one optimizer step (forward and backward), on the last fixed warm-up step
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self.first_step is None:
+                self.first_step, self.step_start = time.time(), time.perf_counter()
+            if trainer.global_step == self.spec.warmup - 1:  # the last step of the minimum warm-up: untimed
+                from torch.utils.flop_counter import FlopCounterMode
+
+                self.counter = FlopCounterMode(display=False)
+                self.counter.__enter__()
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
+
+        def _count_done(self) -> None:
+            counter = getattr(self, "counter", None)
+            if counter is not None and self.flops is None:
+                counter.__exit__(None, None, None)
+                self.flops = float(counter.get_total_flops())
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self._count_done()
+            _sync(pl_module.device)
+            now = time.perf_counter()
+            if self.marks:
+                self.marks.append(now)
+            else:
+                self.warmup_durations.append(now - (now if self.step_start is None else self.step_start))
+                self.step_start = now
+            decision = trainer.strategy.broadcast(self._decide(now), src=0)  # rank 0's timing decides for all
+            if decision == _TIMING_STARTS and not self.marks:
+                self.marks = [now]
+            elif decision in (_ENOUGH, _TOO_SLOW):
+                self.pruned = decision == _TOO_SLOW
+                trainer.should_stop = True
+
+        def _decide(self, now: float) -> int:
+            if not self.marks:
+                return _TIMING_STARTS if warmed_up(self.warmup_durations, minimum=self.spec.warmup) else _GO_ON
+            durations = self.durations()
+            if len(durations) >= self.spec.steps:
+                return _ENOUGH
+            if len(durations) < MIN_TIMED:
+                return _GO_ON
+            if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
+                return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
+            return _ENOUGH if relative_half_width(durations) <= self.spec.precision else _GO_ON
+
+        def durations(self) -> list[float]:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+        def samples_per_step(self) -> int:
+            return self.batch_size * max(1, self.spec.devices)
+
+        def rate(self) -> float:
+            return throughput(self.durations(), self.samples_per_step())[0]
+
+        def interval(self) -> tuple[float, float]:
+            _, low, high = throughput(self.durations(), self.samples_per_step())
+            return low, high
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.peak = _peak_bytes(pl_module.device)
+            if trainer.world_size > 1:  # the largest peak of the ranks (the budget is per device)
+                import torch
+
+                peak = torch.tensor(self.peak, dtype=torch.int64, device=pl_module.device)
+                self.peak = int(trainer.strategy.reduce(peak, reduce_op="max"))
+            if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
+                Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
+
+        def result(self) -> TrialResult:
+            durations = self.durations()
+            if not durations:
+                return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
+            rate, low, high = throughput(durations, self.samples_per_step())
+            per_sample = self.flops / self.batch_size if self.flops else None
+            peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
+            return TrialResult(
+                "pruned" if self.pruned else "ok",
+                samples_per_second=rate,
+                interval=(low, high) if math.isfinite(high) else None,
+                tokens_per_second=rate * self.tokens if self.tokens else None,
+                peak_bytes=getattr(self, "peak", None),
+                flops_per_sample=per_sample,
+                mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
+                steps_timed=len(durations),
+                warmup_steps=len(self.warmup_durations),
+                startup_seconds=(self.first_step or time.time()) - self.launched,
+                wall_seconds=time.time() - self.launched,
+                reason="stopped early: clearly slower than the best plans so far" if self.pruned else "",
+                trainer_settings=self.trainer_settings,
+            )
+
+    return Meter(**kwargs)
+
+
+#: Dense peak FLOP/s (16-bit, TF32 or FP32) of GPUs known exactly: (name as NVML gives it, compute capability,
+#: SM count). A device not listed gets no MFU: a near match (an H100 PCIe for an SXM, an A10G for an A10) would be
+#: wrong by up to 30%.
+_PEAK_FLOPS: dict[tuple[str, tuple[int, int], int], tuple[float, float]] = {
+    ("NVIDIA H100 80GB HBM3", (9, 0), 132): (989e12, 494e12),
+    ("NVIDIA H100 PCIe", (9, 0), 114): (756e12, 378e12),
+    ("NVIDIA H200", (9, 0), 132): (989e12, 494e12),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), 108): (312e12, 156e12),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), 108): (312e12, 156e12),
+    ("NVIDIA A100 80GB PCIe", (8, 0), 108): (312e12, 156e12),
+    ("NVIDIA A100-PCIE-40GB", (8, 0), 108): (312e12, 156e12),
+    ("NVIDIA L40S", (8, 9), 142): (362e12, 183e12),
+    ("NVIDIA L4", (8, 9), 58): (121e12, 60e12),
+    ("NVIDIA A10", (8, 6), 72): (125e12, 62.5e12),
+}
+
+
+def peak_flops_for(name: str, capability: tuple[int, int], sm_count: int, precision: str) -> float | None:
+    """The dense peak FLOP/s of the GPU (name, compute capability, SM count) for ``precision``; None when the
+    device is not known exactly.
+
+    Example:
+        >>> peak_flops_for("NVIDIA H100 80GB HBM3", (9, 0), 132, "bf16-mixed")
+        989000000000000.0
+        >>> peak_flops_for("NVIDIA H100 PCIe", (9, 0), 132, "bf16-mixed") is None  # not an H100 PCIe's SM count
+        True
+    """
+    known = _PEAK_FLOPS.get((name, tuple(capability), int(sm_count)))  # type: ignore[arg-type]
+    if known is None:
+        return None
+    return known[0] if precision.startswith(("bf16", "16", "transformer-engine")) else known[1]
+
+
+def peak_flops_per_second(device: str, precision: str) -> float | None:
+    """The trial device's dense peak FLOP/s for the precision, or None (CPUs, GPUs not known exactly: no MFU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return peak_flops_for(props.name, (props.major, props.minor), props.multi_processor_count, precision)
+
+
+def _sync(device: Any) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(device: Any) -> int:
+    """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
+    the allocator holds now). CPU: the process's peak resident set size."""
+    from autotune._device.meter import peak_rss_bytes
+
+    if device.type != "cuda":
+        return peak_rss_bytes()
+    import torch
+
+    from autotune._device.probe import process_device_bytes
+
+    reserved_now = torch.cuda.memory_reserved(device)
+    process_now = process_device_bytes(device.index or 0)  # None where NVML does not list this process
+    context = max(0, process_now - reserved_now) if process_now is not None else 0
+    return torch.cuda.max_memory_reserved(device) + context

@@ -1,0 +1,235 @@
+"""What the estimator tells a search before anything runs: predicted peaks in the search's own measure, ``auto``
+micro-batches, and the order of the first trials (plans predicted to fit, the fastest predicted first).
+
+The cost model is relative seconds per sample from what is known to cost time whatever the model:
+
+- recomputation: checkpointing a share ``c`` of the blocks runs that share of the forward again, about ``c / 3`` of
+  a step's FLOPs (a backward costs about two forwards);
+- micro-batch ``m``: a step of ``B`` samples runs ``B / m`` forward/backward passes, each with a fixed cost (kernel
+  launches, Python, hooks) of about one sample's compute: ``1 + 1 / m`` per sample;
+- precision on CUDA: 16-bit matmuls run on tensor cores at about twice TF32's rate (0.5; bf16-true also halves the
+  optimizer's traffic, 0.45). On CPU precision is not modelled (most CPUs have no fast 16-bit matmul, those with
+  AMX do; autocast adds casts): the sampler chooses it;
+- offload: activations over PCIe 1.25, the optimizer step on the host 1.5; low-bit optimizer state 1.05 (a slower
+  update of the same bytes).
+
+Dimensions without a model here (compile, FP8, the allocator, dataloader workers) are tried one at a time around the
+cheapest candidate (:func:`with_variations`), and otherwise left to the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from autotune._plan.plan import Plan
+from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
+
+log = logging.getLogger("autotune")
+
+#: The plan fields the cost model knows.
+MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
+            "optimizer_state")
+_CUDA_PRECISION = {"32-true": 1.0, "bf16-mixed": 0.5, "16-mixed": 0.5, "bf16-true": 0.45, "transformer-engine": 0.5}
+
+
+def predicted_cost(plan: Plan, *, batch_size: int, device_type: str) -> float:
+    """Relative seconds per sample of ``plan`` (only comparisons between plans of one search mean anything).
+
+    Example:
+        >>> fast = predicted_cost(Plan(micro_batch_size=16), batch_size=32, device_type="cuda")
+        >>> slow = predicted_cost(Plan(micro_batch_size=16, activation_checkpointing=1.0), batch_size=32,
+        ...                       device_type="cuda")
+        >>> fast < slow
+        True
+    """
+    ckpt = plan.activation_checkpointing
+    share = float(ckpt) if isinstance(ckpt, (int, float)) and not isinstance(ckpt, bool) else (1.0 if ckpt else 0.0)
+    micro = min(plan.micro_batch_size or batch_size, batch_size)
+    cost = (1 + share / 3) * (1 + 1 / micro)
+    if device_type == "cuda":
+        cost *= _CUDA_PRECISION.get(plan.precision, 1.0)
+    if plan.activation_offload:
+        cost *= 1.25
+    if plan.optimizer_offload:
+        cost *= 1.5
+    if plan.optimizer_state != "full":
+        cost *= 1.05
+    return cost
+
+
+def modelled_dimensions(space: SearchSpace, device_type: str) -> list[str]:
+    """The space's dimensions the cost model ranks: :data:`MODELLED` (precision only on CUDA), less any whose
+    condition depends on a dimension the model does not know."""
+    names = {d.name for d in space.dimensions if d.name in MODELLED and (d.name != "precision" or device_type == "cuda")}
+    changed = True
+    while changed:
+        changed = False
+        for dim in space.dimensions:
+            if dim.name in names and any(parent not in names for parent in dim.when):
+                names.discard(dim.name)
+                changed = True
+    return [d.name for d in space.dimensions if d.name in names]
+
+
+def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device_type: str, devices: int,
+                      resolve_micro: Callable[[dict[str, Any]], int], peak: Callable[[Plan], int | None],
+                      budget_bytes: int) -> list[dict[str, Any]]:
+    """Up to ``limit`` points of ``space`` (its modelled dimensions only) predicted to fit ``budget_bytes``, cheapest
+    predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way). Estimates are made in cost order
+    and stop once ``limit`` candidates fit. A point the estimator cannot tell about counts as fitting."""
+    names = modelled_dimensions(space, device_type)
+    if not names or limit <= 0:
+        return []
+    projected = list({repr(sorted((k, v) for k, v in p.items() if k in names)):
+                      {k: v for k, v in p.items() if k in names} for p in space.points()}.values())
+    scored = []
+    for params in projected:
+        micro = resolve_micro(params) if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
+        plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices))
+        scored.append((predicted_cost(plan, batch_size=batch_size, device_type=device_type), plan, params))
+    scored.sort(key=lambda item: item[0])  # stable: ties keep the space's order
+    chosen: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _, plan, params in scored:
+        key = plan.key()
+        if key in seen:
+            continue  # ``auto`` that resolved to a listed micro-batch
+        seen.add(key)
+        predicted = peak(plan)
+        if predicted is None or predicted <= budget_bytes:
+            chosen.append(params)
+            if len(chosen) >= limit:
+                break
+    return chosen
+
+
+def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
+    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
+    return {"devices": devices} if params.get("strategy") == "fsdp" else {}
+
+
+_FAILED = object()  # the estimator could not tell
+_TRACING = threading.Lock()  # the estimator's module hooks are process-wide: one trace at a time (searches in threads)
+
+
+class SearchEstimator:
+    """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
+
+    The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
+    the process baseline is added, measured by a short trial before the search (its peak less its estimate) and
+    raised as trials measure more (the largest seen, so choices err on the side of fitting). On CUDA the trial's
+    allocator is capped at the budget, which is what the estimate is compared to. Estimates are cached by plan.
+    Any failure of the estimator is logged and the search goes on without it.
+    """
+
+    def __init__(self, target: Any, device: Any) -> None:
+        from autotune._device.meter import current_rss_bytes
+
+        self.target, self.device = target, device
+        self.baseline = current_rss_bytes() if device.type != "cuda" else 0  # until a trial has measured one
+        self.calibrated = device.type == "cuda"
+        self._batch: Any = None
+        self._warned = False
+        self._peaks: dict[str, Any] = {}
+
+    def tensors(self, plan: Plan) -> int | None:
+        """The estimator's peak of ``plan`` (tensor bytes), cached; None when it cannot tell."""
+        from autotune._estimate.estimate import estimate
+
+        key = plan.key()
+        if key not in self._peaks:
+            result = self._call(estimate, plan=plan)
+            self._peaks[key] = None if result is _FAILED else result.predicted_peak_bytes
+        return self._peaks[key]
+
+    def calibrate(self, plan: Plan, measured_peak: int) -> bool:
+        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
+        largest seen). Returns whether the baseline changed."""
+        if self.device.type == "cuda":
+            return False
+        predicted = self.tensors(plan)
+        if predicted is None:
+            return False
+        baseline = measured_peak - predicted
+        changed = not self.calibrated or baseline > self.baseline
+        if changed:
+            self.baseline, self.calibrated = baseline, True
+        return changed
+
+    def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        from autotune._estimate.estimate import first_batch
+
+        try:
+            with _TRACING:
+                if self._batch is None:
+                    self._batch = first_batch(self.target)
+                return fn(model=self.target.model, batch=self._batch, device=self.device, **kwargs)
+        except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
+            if not self._warned:
+                self._warned = True
+                log.warning("autotune: the estimator cannot trace this target (%s: %s); trials run unestimated",
+                            type(err).__name__, " ".join(str(err).split())[:200])
+            return _FAILED
+
+    def peak(self, plan: Plan) -> int | None:
+        """The predicted peak in the search's measure (tensors plus, on CPU, the process baseline)."""
+        tensors = self.tensors(plan)
+        return None if tensors is None else tensors + self.baseline
+
+    def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
+        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
+        from autotune._estimate.estimate import max_micro_batch_size
+
+        room = budget_bytes - self.baseline
+        if room <= 0:
+            return 1
+        micro = self._call(max_micro_batch_size, plan=plan, budget_bytes=room)
+        if micro is _FAILED:
+            return batch_size
+        return 1 if micro is None else int(micro)
+
+
+def with_variations(space: SearchSpace, ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranked candidates with the dimensions the cost model does not know tried one at a time around the first:
+    the first candidate with every other dimension at its first choice, then that point with one dimension changed
+    (each other choice of each dimension in turn), alternating with the next ranked candidates (whose other
+    dimensions the sampler chooses).
+
+    Example:
+        >>> space = SearchSpace("s", "", (Dimension("micro_batch_size", (8, 4)), Dimension("num_workers", (0, 1))))
+        >>> with_variations(space, [{"micro_batch_size": 8}, {"micro_batch_size": 4}])
+        [{'micro_batch_size': 8, 'num_workers': 0}, {'micro_batch_size': 8, 'num_workers': 1}, {'micro_batch_size': 4}]
+    """
+    if not ranked:
+        return []
+    top = ranked[0]
+
+    def point(changed: dict[str, Any]) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        for dim in space.dimensions:
+            if dim.active(params):
+                params[dim.name] = changed.get(dim.name, top.get(dim.name, dim.choices[0]))
+        return params
+
+    base = point({})
+    variations = [point({dim.name: choice}) for dim in space.dimensions if dim.name not in top and dim.name in base
+                  for choice in dim.choices[1:]]
+    out = [base]
+    for i in range(max(len(variations), len(ranked) - 1)):
+        out += variations[i:i + 1] + ranked[i + 1:i + 2]
+    return list({repr(sorted(p.items())): p for p in out}.values())
+
+
+def guided_trials(trials: int, seeds: int) -> int:
+    """How many of a search's first trials are given (the space's seeds, then ranked candidates): half of them,
+    rounded up, and at least the seeds; the sampler proposes the rest.
+
+    Example:
+        >>> guided_trials(6, 2), guided_trials(30, 3)
+        (3, 15)
+    """
+    return max(seeds, math.ceil(trials / 2))

@@ -1,0 +1,72 @@
+"""Runs searches (or plain measurements) of the synthetic target for tests/test_search_quality.py, in a process of
+its own: glibc's malloc must be told before the process starts to return large blocks at once
+(``MALLOC_MMAP_THRESHOLD_``), or a CPU trial's peak resident set depends on its allocation history, and the target's
+noise is set in the environment the trials inherit.
+
+Usage: python tests/synthetic_search_run.py {search SEEDS | interval RUNS} OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+TARGET = str(Path(__file__).resolve().parent / "fixtures" / "synthetic_target.py") + ":make"
+SPACE = """dimensions:
+  precision: {choices: [32-true, bf16-mixed]}
+  micro_batch_size: {choices: [8, 16, 32]}
+  activation_checkpointing: {choices: [0.0, 1.0]}
+"""
+TRIALS = 6
+MEASURE = {"steps": 10, "warmup": 1, "precision": 0.05}  # 10 timed steps at most per trial, +-5%
+
+
+def smallest_peak() -> int:
+    """The peak of the smallest plan (micro-batch 8, every block recomputed): the process's own floor, plus 4 MiB."""
+    from autotune import Plan, measure_plan
+
+    result = measure_plan(target=TARGET, plan=Plan(micro_batch_size=8, activation_checkpointing=1.0), device="cpu",
+                          **MEASURE)
+    assert result.status == "ok" and result.peak_bytes, result
+    return result.peak_bytes
+
+
+def searches(seeds: int) -> dict:
+    from autotune import search
+
+    budget = smallest_peak() + 24 * 2**20  # 512 KiB per sample and block: up to 16 MiB fits, 32 MiB does not
+    folder = Path(tempfile.mkdtemp(prefix="autotune-synthetic-"))
+    space = folder / "space.yaml"
+    space.write_text(SPACE)
+
+    def one(seed: int) -> dict:
+        result = search(target=TARGET, budget=budget, space=str(space), trials=TRIALS, seed=seed,
+                        storage=f"sqlite:///{folder}/s{seed}.db", study="synthetic", out=None, device="cpu", **MEASURE)
+        trials = [{"number": t.number, "params": t.params, "state": t.state.name, **{
+                   k: t.user_attrs.get(k) for k in ("status", "source", "samples_per_second", "peak_bytes")}}
+                  for t in result.study.get_trials()]
+        return {"seed": seed, "chosen": dict(result.study.trials[result.trial_number].params),
+                "figure": result.figure.as_attrs() if result.figure else None, "trials": trials,
+                "remeasured": result.study.user_attrs.get("remeasured", {})}
+
+    runs = [one(seed) for seed in range(seeds)]  # one at a time: a paced step must not wait for a CPU
+    return {"budget_bytes": budget, "runs": runs}
+
+
+def intervals(runs: int) -> dict:
+    from autotune import Plan, measure_plan
+
+    plan = Plan(precision="bf16-mixed", micro_batch_size=16)
+    out = []
+    for _ in range(runs):
+        result = measure_plan(target=TARGET, plan=plan, device="cpu", steps=20, warmup=1, precision=0.03)
+        out.append({"status": result.status, "samples_per_second": result.samples_per_second,
+                    "interval": result.interval, "steps_timed": result.steps_timed})
+    return {"runs": out}
+
+
+if __name__ == "__main__":
+    mode, count, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    Path(path).write_text(json.dumps(searches(count) if mode == "search" else intervals(count)))

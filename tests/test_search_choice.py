@@ -1,0 +1,212 @@
+"""The parts of a search that decide: a trial's timing rule and interval, how runs of a plan combine, which plans are
+measured again before one is chosen, and the estimator's order of the first trials. No trial process runs here."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import optuna
+import pytest
+import torch
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from autotune import Plan
+from autotune._plan.space import Dimension, SearchSpace
+from autotune._search import meter as meter_module
+from autotune._search.choose import CHOSEN, REMEASURED, choose, combine, figures
+from autotune._search.meter import TrialSpec, relative_half_width, throughput, warmed_up
+from autotune._search.rank import modelled_dimensions, predicted_cost, ranked_candidates, with_variations
+
+# ------------------------------------------------------------------------------------------------ a trial's timing
+
+
+def test_throughput_interval_is_the_t_interval_of_the_mean_step_time() -> None:
+    rate, low, high = throughput([0.1, 0.12, 0.08, 0.1], 32)
+    assert rate == pytest.approx(320.0)
+    half = 3.182 * 0.016329931618554522 / 2  # t(3) * stdev / sqrt(4)
+    assert (low, high) == (pytest.approx(32 / (0.1 + half)), pytest.approx(32 / (0.1 - half)))
+    assert throughput([0.1], 32)[1:] == (0.0, math.inf)  # one step: nothing known about the spread
+    assert relative_half_width([0.1, 0.1, 0.1]) == 0.0
+
+
+def test_warm_up_ends_at_the_minimum_once_step_time_is_stable_or_after_five_more_steps() -> None:
+    assert not warmed_up([1.0], minimum=1)  # one step: nothing to compare with
+    assert warmed_up([1.0, 1.05], minimum=1)
+    assert not warmed_up([1.0, 1.05], minimum=3)
+    assert not warmed_up([3.0, 1.0, 0.5], minimum=1)  # still settling
+    assert warmed_up([3.0, 1.0, 0.5, 2.0, 0.2, 4.0, 0.1], minimum=2)  # 2 + 5 steps: the cap
+
+
+class _Clock:
+    def __init__(self, durations: list[float]) -> None:
+        self.now, self.durations = 0.0, list(durations)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def step(self) -> None:
+        self.now += self.durations.pop(0)
+
+
+def _meter_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, durations: list[float], **spec: Any) -> Any:
+    """Feed a meter steps of the given durations as Lightning would; returns it after the trainer stops."""
+    clock = _Clock(durations)
+    monkeypatch.setattr(meter_module, "time", clock)
+    base = {"target": "t.py:make", "config": None, "plan": {}, "budget": None, "device": "cpu", "warmup": 1}
+    meter = meter_module.make_meter(spec=TrialSpec(**{**base, **spec}), batch_size=10, tokens_per_sample=None,
+                                    launched=0.0, out=str(tmp_path / "r.json"))
+    strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)  # one process: its own decisions
+    trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=strategy)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    step = 0
+    while clock.durations and not trainer.should_stop:
+        meter.on_train_batch_start(trainer, module, None, step)
+        clock.step()
+        trainer.global_step = step = step + 1
+        meter.on_train_batch_end(trainer, module, None, None, step)
+    return meter
+
+
+def test_a_steady_run_stops_after_five_timed_steps_with_its_interval(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [5.0, 1.0, 0.1, 0.1] + [0.1, 0.101, 0.099, 0.1, 0.1] * 4, steps=20)
+    assert meter.warmup_durations == pytest.approx([5.0, 1.0, 0.1, 0.1])  # warm-up went on until two steps agreed
+    assert len(meter.durations()) == 5  # then 5 steps (the minimum) were enough for +-3%
+    result = meter.result()
+    assert result.status == "ok" and result.steps_timed == 5 and result.warmup_steps == 4
+    low, high = result.interval
+    assert low < result.samples_per_second == pytest.approx(100.0, rel=1e-3) < high < 1.03 * 100
+
+
+def test_a_noisy_run_is_timed_up_to_the_cap(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.05, 0.15] * 20, steps=8)
+    assert len(meter.durations()) == 8 and not meter.pruned
+    assert meter.result().interval[1] > 1.2 * meter.result().samples_per_second  # honest about its noise
+
+
+def test_a_run_whose_interval_tops_out_below_the_bar_stops_as_too_slow(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.05, 0.15] * 20, steps=20, stop_below=200.0)
+    assert meter.pruned and 5 <= len(meter.durations()) < 20  # 100/s: stopped once the top of its interval < 200
+    result = meter.result()
+    assert result.status == "pruned" and result.interval[1] < 200 and "clearly slower" in result.reason
+
+
+# ------------------------------------------------------------------------------------------------ choosing
+
+
+def _study(rows: list[tuple[str, float, float, int, str]]) -> Any:
+    """An in-memory study of measured trials: (plan, samples/s, half-width, peak, status)."""
+    study = optuna.create_study(direction="maximize")
+    for plan, rate, half, peak, status in rows:
+        study.add_trial(optuna.trial.create_trial(
+            params={"p": plan}, distributions={"p": CategoricalDistribution([r[0] for r in rows])}, value=rate,
+            state=TrialState.COMPLETE,
+            user_attrs={"plan": plan, "plan_key": plan, "status": status, "source": "measured",
+                        "samples_per_second": rate, "interval": [rate - half, rate + half], "peak_bytes": peak}))
+    return study
+
+
+def test_runs_combine_to_their_mean_within_the_larger_of_their_precision_and_half_their_spread() -> None:
+    one = {"samples_per_second": 100.0, "interval": [90.0, 110.0]}
+    assert combine([one]) == (100.0, 90.0, 110.0)
+    mean, low, high = combine([one, {"samples_per_second": 102.0, "interval": [92.0, 112.0]}])
+    assert mean == 101.0 and high - mean == pytest.approx(math.sqrt(200) / 2)  # precision: two runs know more
+    assert combine([{"samples_per_second": 100.0, "interval": [99.0, 101.0]},
+                    {"samples_per_second": 120.0, "interval": [119.0, 121.0]}]) == (110.0, 100.0, 120.0)  # spread
+
+
+def test_overlapping_contenders_are_measured_again_and_the_mean_decides() -> None:
+    study = _study([("a", 105.0, 6.0, 10, "ok"), ("b", 100.0, 6.0, 10, "ok"), ("c", 50.0, 2.0, 10, "ok"),
+                    ("over", 500.0, 5.0, 99, "ok"), ("cut", 300.0, 5.0, 10, "pruned")])
+    again = {"a": [90.0, 92.0], "b": [104.0, 103.0]}  # a's first figure was lucky
+    asked: list[str] = []
+
+    def remeasure(trial: Any) -> dict[str, Any]:
+        plan = trial.user_attrs["plan"]
+        asked.append(plan)
+        rate = again[plan].pop(0)
+        return {"status": "ok", "samples_per_second": rate, "interval": [rate - 3, rate + 3], "peak_bytes": 10}
+
+    best = choose(study, 20, remeasure)
+    assert asked == ["a", "b", "b", "a"]  # round 1: the leader, then its contender; round 2: the new leader first
+    assert best.plan == "b" and best.runs == (100.0, 104.0, 103.0)  # over budget, pruned, far behind: not asked
+    stored = {k: [r["samples_per_second"] for r in v] for k, v in study.user_attrs[REMEASURED].items()}
+    assert stored == {"0": [90.0, 92.0], "1": [104.0, 103.0]}
+    assert study.user_attrs[CHOSEN]["trial"] == 1 and study.user_attrs[CHOSEN]["samples_per_second"] == 307 / 3
+    assert [f.plan for f in figures(study, 20)] == ["b", "a", "c"]
+
+
+def test_a_clear_leader_is_chosen_without_measuring_again() -> None:
+    study = _study([("a", 200.0, 4.0, 10, "ok"), ("b", 100.0, 4.0, 10, "ok")])
+    best = choose(study, 20, lambda trial: pytest.fail("nothing overlaps: nothing to measure again"))
+    assert best.plan == "a" and study.user_attrs[CHOSEN]["within_noise_of"] == []
+
+
+def test_a_plan_over_the_budget_in_a_second_run_is_not_chosen() -> None:
+    study = _study([("a", 105.0, 6.0, 10, "ok"), ("b", 100.0, 6.0, 10, "ok")])
+    runs = {"a": {"status": "ok", "samples_per_second": 106.0, "interval": [100.0, 112.0], "peak_bytes": 30},
+            "b": {"status": "ok", "samples_per_second": 99.0, "interval": [93.0, 105.0], "peak_bytes": 10}}
+    best = choose(study, 20, lambda trial: runs[trial.user_attrs["plan"]])
+    assert best.plan == "b"
+
+
+def test_no_feasible_plan_chooses_nothing() -> None:
+    assert choose(_study([("a", 105.0, 6.0, 99, "ok")]), 20, lambda t: pytest.fail("not a contender")) is None
+
+
+# ------------------------------------------------------------------------------------------------ ranking
+
+
+def test_the_cost_model_orders_recomputation_micro_batch_offload_and_cuda_precision() -> None:
+    def cost(device: str = "cuda", **plan: Any) -> float:
+        return predicted_cost(Plan(**plan), batch_size=32, device_type=device)
+
+    assert cost(micro_batch_size=32) < cost(micro_batch_size=8) < cost(micro_batch_size=1)
+    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, activation_checkpointing=0.5) < \
+        cost(micro_batch_size=8, activation_checkpointing=1.0)
+    assert cost(micro_batch_size=8, precision="bf16-mixed") < cost(micro_batch_size=8)
+    assert cost("cpu", micro_batch_size=8, precision="bf16-mixed") == cost("cpu", micro_batch_size=8)
+    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, activation_offload=True)
+    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, optimizer_offload=True)
+
+
+def _space(*dims: Dimension) -> SearchSpace:
+    return SearchSpace("t", "", dims)
+
+
+def test_modelled_dimensions_leave_cpu_precision_and_unmodelled_parents_to_the_sampler() -> None:
+    space = _space(Dimension("precision", ("32-true", "bf16-mixed")), Dimension("micro_batch_size", (8, 16)),
+                   Dimension("compile", (False, True)),
+                   Dimension("activation_checkpointing", (0.0, 1.0), when={"compile": (False,)}))
+    assert modelled_dimensions(space, "cuda") == ["precision", "micro_batch_size"]
+    assert modelled_dimensions(space, "cpu") == ["micro_batch_size"]
+
+
+def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_they_need() -> None:
+    space = _space(Dimension("micro_batch_size", ("auto", 4, 8, 16, 32)), Dimension("activation_checkpointing", (0.0, 1.0)),
+                   Dimension("num_workers", (0, 1)))
+    estimated: list[str] = []
+
+    def peak(plan: Plan) -> int:
+        estimated.append(plan.describe())
+        return plan.micro_batch_size * (1 if plan.activation_checkpointing else 2)  # "bytes"
+
+    got = ranked_candidates(space, limit=3, batch_size=32, device_type="cpu", devices=1,
+                            resolve_micro=lambda params: 12, peak=peak, budget_bytes=32)
+    # 32 and 16 without checkpointing and auto (12) are predicted over or at the budget... 16 x 2 = 32 fits.
+    assert got == [{"micro_batch_size": 16, "activation_checkpointing": 0.0},
+                   {"micro_batch_size": "auto", "activation_checkpointing": 0.0},
+                   {"micro_batch_size": 8, "activation_checkpointing": 0.0}]
+    assert estimated == ["32-true, micro 32", "32-true, micro 16", "32-true, micro 12", "32-true, micro 8"]
+    assert with_variations(space, got) == [
+        {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 0},
+        {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 1},
+        {"micro_batch_size": "auto", "activation_checkpointing": 0.0},
+        {"micro_batch_size": 8, "activation_checkpointing": 0.0}]

@@ -1,0 +1,87 @@
+"""Search quality on a target whose true ranking is known (tests/fixtures/synthetic_target.py): the search finds the
+best plan in 6 trials, random search with the same trials does worse, and a trial's interval holds the truth.
+
+The runs happen in a process of their own (tests/synthetic_search_run.py): its malloc returns large blocks at once,
+so that a CPU trial's peak is its plan's, and the target's noise is set before its trials start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "fixtures"))
+from synthetic_target import true_throughput  # noqa: E402
+
+sys.path.remove(str(ROOT / "fixtures"))
+
+SEEDS = 10
+POINTS = [{"precision": p, "micro_batch_size": m, "activation_checkpointing": c}
+          for p in ("32-true", "bf16-mixed") for m in (8, 16, 32) for c in (0.0, 1.0)]
+
+
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, str(ROOT / "synthetic_search_run.py"), *args, str(out)],
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", **(env or {})},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _fits(point: dict) -> bool:
+    """512 KiB per sample and kept block: 16 MiB and less fits the budget (the floor + 24 MiB), 32 MiB does not."""
+    kept_blocks = 2 if point["activation_checkpointing"] == 0.0 else 1
+    return point["micro_batch_size"] * kept_blocks * 0.5 <= 16
+
+
+def _truth(point: dict) -> float:
+    return true_throughput(**point)
+
+
+def _random_search_chance() -> float:
+    """The chance that random search with the same 6 trials tries the best plan at all (each trial a uniform draw
+    from the space's points, measured exactly: its best case)."""
+    return 1 - (1 - 1 / len(POINTS)) ** 6
+
+
+@pytest.mark.slow
+def test_the_search_finds_the_known_best_plan_in_6_trials_and_random_search_does_worse(tmp_path: Path) -> None:
+    feasible = [p for p in POINTS if _fits(p)]
+    best = max(feasible, key=_truth)
+    assert best == {"precision": "bf16-mixed", "micro_batch_size": 16, "activation_checkpointing": 0.0}
+    second = max((p for p in feasible if p != best), key=_truth)
+    assert _truth(second) < 0.9 * _truth(best)  # a clear best: 13% ahead of the second
+
+    result = _run(tmp_path, "search", str(SEEDS))
+    budget = result["budget_bytes"]
+    found = 0
+    for run in result["runs"]:
+        measured = [t for t in run["trials"] if t["source"] == "measured"]
+        assert len(measured) <= 6
+        for t in measured:  # the budget splits the plans as the memory model says (the truth is well defined)
+            point = {k: t["params"][k] for k in ("precision", "micro_batch_size", "activation_checkpointing")}
+            if t["status"] in ("ok", "pruned"):
+                assert (t["peak_bytes"] <= budget) is _fits(point), (point, t["peak_bytes"], budget)
+        found += run["chosen"] == best
+    assert found >= 9, [run["chosen"] for run in result["runs"]]
+    assert _random_search_chance() < 0.45  # random search: 4 of 10 seeds expected, at best
+
+
+@pytest.mark.slow
+def test_a_trials_interval_holds_the_true_throughput(tmp_path: Path) -> None:
+    # Steps scatter by 5% around the truth (no run-to-run offset here): a 95% interval holds the truth in about 19
+    # runs of 20; 12 of 15 leaves room for chance (a miss in 4 of 15 has probability 0.5%).
+    result = _run(tmp_path, "interval", "15", env={"AUTOTUNE_SYNTHETIC_RUN_NOISE": "0"})
+    truth = _truth({"precision": "bf16-mixed", "micro_batch_size": 16, "activation_checkpointing": 0.0})
+    runs = result["runs"]
+    assert all(r["status"] == "ok" and r["steps_timed"] >= 5 for r in runs)
+    held = [r["interval"][0] <= truth <= r["interval"][1] for r in runs]
+    assert sum(held) >= 12, [(round(r["samples_per_second"]), r["interval"]) for r in runs]
+    assert all(r["interval"][1] - r["interval"][0] < 0.2 * truth for r in runs)  # not vacuous: within +-10%
