@@ -1,6 +1,7 @@
 import contextlib
 import importlib.util
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -301,11 +302,30 @@ def test_cli_prints_a_row_per_plan(capsys, target):
     lines = out.splitlines()
     assert lines[0] == "device cpu, batch 8, budget 1.00 GiB"
     assert lines[1].split() == ["plan", "micro", "predicted", "peak", "fits", "max", "micro", "state/param"]
-    assert [line.split("  ")[0] for line in lines[2:]] == ["32-true", "32-true, ckpt 1.0"]
-    for line in lines[2:]:
-        *_, micro, _, unit, fits, best, per_param, _ = line.split()
-        assert (micro, unit, fits, best) == ("8", "KiB", "yes", "8")
+    rows = [line for line in lines[2:] if not line.startswith("note: ")]
+    assert [line.split("  ")[0] for line in rows] == ["32-true", "32-true, ckpt 1.0"]
+    for line in rows:
+        *_, micro, peak, unit, fits, best, per_param, _ = line.split()
+        # on CPU the peak is the process's: a measured baseline (a trial's resident set, 100s of MiB) + the tensors
+        assert (micro, unit, fits, best) == ("8", "MiB", "yes", "8") and 100 < float(peak) < 1024
         assert 16.0 <= float(per_param) <= 16.1  # fp32 AdamW: 4 + 4 + 8 bytes, and Adam's 0-dim steps
+    assert re.search(r"^note: the peaks include the process baseline measured here, \d+\.\d\d MiB ", out, re.M)
+
+
+def test_cpu_estimate_and_a_measured_trial_agree_on_the_peak(target) -> None:
+    from autotune import measure_plan
+    from autotune._estimate.estimate import estimate_target
+    from autotune._search.rank import SearchEstimator
+    from autotune._target.target import load_target
+
+    loaded = load_target(target)
+    estimator = SearchEstimator(loaded, torch.device("cpu"))
+    estimator.measure_baseline(target=target, config=None)
+    [row] = estimate_target(target=loaded, plans=[Plan(micro_batch_size=8)], budget="1GiB", device="cpu",
+                            baseline_bytes=estimator.baseline)
+    measured = measure_plan(target=target, plan=Plan(micro_batch_size=8), device="cpu", steps=3, warmup=1)
+    assert row.baseline_bytes > 0 and row.peak_bytes == row.estimate.predicted_peak_bytes + row.baseline_bytes
+    assert abs(row.peak_bytes - measured.peak_bytes) < 0.05 * measured.peak_bytes
 
 
 def test_cli_json_rows_have_plan_fields_and_the_fit(capsys, target, tmp_path):

@@ -151,8 +151,15 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if most is not None:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
                              usable=budget_bytes, most=most)
+    baseline = 0
+    if resolved.type == "cpu":  # the budget is the process's resident set: add what a training process holds
+        from autotune._search.rank import SearchEstimator
+
+        estimator = SearchEstimator(target, resolved)
+        estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
+        baseline = estimator.baseline
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
-                           micro_batch_size=micro, world_size=world)
+                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
     return _EXIT_OK
 
@@ -233,13 +240,17 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     for row in rows:
         label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
         best = row.max_micro_batch_size
-        table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.estimate.predicted_peak_bytes),
+        table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.peak_bytes),
                       "yes" if row.fits else "no", "none fits" if best is None else str(best),
                       f"{row.state_bytes_per_parameter:.2f} B"))
     widths = [max(len(line[i]) for line in table) for i in range(6)]
     lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
              f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}".rstrip() for line in table]
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
+    if first.baseline_bytes:
+        notes[f"the peaks include the process baseline measured here, {format_bytes(first.baseline_bytes)} (a short "
+              "training run's peak resident set less its tensors): on CPU the budget is the process's resident set, "
+              "as for a search's trials"] = None
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 

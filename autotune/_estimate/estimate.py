@@ -31,13 +31,23 @@ __all__ = ["Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "es
 @dataclass(frozen=True, kw_only=True)
 class TargetEstimate:
     """One row of ``autotune estimate``: a plan's estimate at the row's micro-batch against ``budget_bytes``, and
-    the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none does)."""
+    the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none does).
+
+    ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure: on CPU, where
+    the budget is the process's resident set, a measured baseline (see ``autotune estimate``); 0 on CUDA, where the
+    budget caps the allocator. ``peak_bytes`` is the estimate plus it, what the budget is compared with."""
 
     estimate: Estimate
     batch_size: int
     budget_bytes: int
     max_micro_batch_size: int | None
     parameter_count: int = 0
+    baseline_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak in the budget's measure: the step's tensors plus the process baseline."""
+        return self.estimate.predicted_peak_bytes + self.baseline_bytes
 
     @property
     def state_bytes_per_parameter(self) -> float:
@@ -47,8 +57,8 @@ class TargetEstimate:
 
     @property
     def fits(self) -> bool:
-        """Whether the row's micro-batch fits the budget."""
-        return self.estimate.fits(self.budget_bytes)
+        """Whether the row's micro-batch fits the budget (with the process baseline)."""
+        return self.peak_bytes <= self.budget_bytes
 
     def as_dict(self) -> dict[str, Any]:
         """The row for JSON: the plan's fields (not its provenance), the estimate, the budget and the fit."""
@@ -56,7 +66,8 @@ class TargetEstimate:
         return {**plan, "micro_batch_size": self.estimate.micro_batch_size, "device": self.estimate.device,
                 "predicted_peak_bytes": self.estimate.predicted_peak_bytes,
                 **{f"{name}_bytes": value for name, value in self.estimate.breakdown().items()},
-                "host_bytes": self.estimate.host_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
+                "host_bytes": self.estimate.host_bytes, "baseline_bytes": self.baseline_bytes,
+                "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes, "fits": self.fits,
                 "max_micro_batch_size": self.max_micro_batch_size, "world_size": self.estimate.world_size,
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
                 "state_bytes_per_parameter": self.state_bytes_per_parameter,
@@ -132,13 +143,16 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
+    baseline_bytes: int = 0,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
     ``budget`` is a spec (``"20GiB"``, ``0.8``, ``"auto"``) resolved against ``device``'s memory; every row uses
     ``micro_batch_size`` (None: the plan's own, else the whole batch), and is one rank's of ``world_size`` (see
     :func:`estimate`). ``device_memory_bytes`` is the device's memory for shares of it (``0.8``) in place of a
-    reading of the device (needed for a what-if device). Returns one row per plan, in order.
+    reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
+    compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). Returns one row per plan,
+    in order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -153,8 +167,10 @@ def estimate_target(
         traces = Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
                          world_size=world_size)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
+        room = budget_bytes - baseline_bytes
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
-                                   max_micro_batch_size=traces.largest_fit(budget_bytes), parameter_count=count))
+                                   max_micro_batch_size=traces.largest_fit(room) if room > 0 else None,
+                                   parameter_count=count, baseline_bytes=baseline_bytes))
     return rows
 
 

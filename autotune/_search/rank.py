@@ -136,6 +136,22 @@ class SearchEstimator:
         self._warned = False
         self._peaks: dict[str, Any] = {}
 
+    def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
+        """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
+        ``target`` at micro-batch 1 (two steps), its peak resident set less its estimate. Nothing on CUDA."""
+        if self.device.type == "cuda":
+            return
+        from autotune._search.trial import TrialSpec, run_trial
+
+        plan = Plan(micro_batch_size=1)
+        result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None, device="cpu",
+                                     steps=1, warmup=1), timeout=timeout)
+        if result.status == "ok" and result.peak_bytes:
+            self.calibrate(plan, result.peak_bytes)
+        else:
+            log.warning("autotune: the process baseline could not be measured (%s); using this process's resident "
+                        "set", result.reason or result.status)
+
     def tensors(self, plan: Plan) -> int | None:
         """The estimator's peak of ``plan`` (tensor bytes), cached; None when it cannot tell."""
         from autotune._estimate.estimate import estimate

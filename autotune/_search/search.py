@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -243,13 +242,8 @@ class _Objective:
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's resident set, measure what a trial holds besides the
-        tensors the estimator counts: one short trial at micro-batch 1 (its peak less its estimate)."""
-        if self.device.type == "cuda":
-            return
-        plan = Plan(micro_batch_size=1)
-        result = run_trial(dataclasses.replace(self._spec(plan), steps=1, warmup=1), timeout=self.trial_timeout)
-        if result.status == "ok" and result.peak_bytes:
-            self.estimator.calibrate(plan, result.peak_bytes)
+        tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
+        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
         """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
