@@ -418,15 +418,26 @@ def test_trials_run_with_the_users_trainer_settings_and_the_tuned_file_records_t
     from autotune._search.trial import user_trainer_settings
 
     config = tmp_path / "config.yaml"
+    steps = tmp_path / "steps.txt"
+    (tmp_path / "counter.py").write_text(  # a module beside the config, as a user's project has it
+        "import lightning as L\n\n\nclass StepCounter(L.Callback):\n    def __init__(self, path):\n"
+        "        self.path = path\n\n    def on_train_batch_end(self, *args):\n"
+        "        with open(self.path, 'a') as f:\n            f.write('step\\n')\n")
     config.write_text("trainer:\n  gradient_clip_val: 0.5\n  deterministic: true\n  detect_anomaly: false\n"
                       "  max_steps: 1000\n  logger: false\n  callbacks:\n"
-                      "    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n")
+                      "    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+                      "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                      "    - class_path: counter.StepCounter\n"
+                      f"      init_args: {{path: {steps}}}\n")
     expected = {"gradient_clip_val": 0.5, "deterministic": True, "detect_anomaly": False}
-    # the trial's own settings (max_steps, logger) and classes (callbacks) are not taken
+    # the trial's own settings (max_steps, logger) are not taken; callbacks are built apart
     assert user_trainer_settings({"max_steps": 1000, "logger": False, "callbacks": [{}], **expected}) == expected
     result = search(target=f"{FIXTURE}:make", config=str(config), budget="2GiB", trials=1, seed=0,
                     space=one_point_space(tmp_path, micro_batch_size=[32]), storage=f"sqlite:///{tmp_path}/s.db",
                     out=tmp_path / "t.yaml", **FAST)
     [trial] = [t for t in result.study.get_trials() if t.state == TrialState.COMPLETE]
-    assert trial.user_attrs["trainer_settings"] == expected
-    assert load_plan(tmp_path / "t.yaml").provenance.trainer_settings == expected
+    # the user's own callback ran in the trial (and in the baseline run); a logger's, a checkpoint's did not
+    recorded = {**expected, "callbacks": ["StepCounter"]}
+    assert trial.user_attrs["trainer_settings"] == recorded
+    assert steps.read_text().count("step") >= trial.user_attrs["steps_timed"]
+    assert load_plan(tmp_path / "t.yaml").provenance.trainer_settings == recorded

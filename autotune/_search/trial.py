@@ -236,8 +236,12 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     target = load_target(spec.target, config=spec.config)
     batch_size = target.batch_size()
     settings = user_trainer_settings(target.trainer_config)
+    config = spec.config or (spec.target if spec.target.endswith((".yaml", ".yml")) else None)
+    folders = (*((str(Path(config).resolve().parent),) if config else ()), os.getcwd())
+    extra, names = user_callbacks(target.trainer_config, folders=folders)
+    recorded = {**settings, "callbacks": names} if names else settings
     meter = make_meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(),
-                       launched=launched, out=out, trainer_settings=settings)
+                       launched=launched, out=out, trainer_settings=recorded)
     micro = plan.micro_batch_size or batch_size
     if plan.strategy == "fsdp":
         plan = plan.replace(devices=spec.devices)
@@ -246,7 +250,7 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     if kwargs.get("strategy") == "ddp":
         kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
     def fit() -> None:
-        trainer = _trainer(spec, plan, kwargs, meter, micro, settings)
+        trainer = _trainer(spec, plan, kwargs, [*extra, meter], micro, settings)
         trainer.fit(target.model, datamodule=target.datamodule)
 
     if plan.strategy == "fsdp" and spec.devices > 1:
@@ -291,12 +295,41 @@ _TRIAL_OWNS = frozenset(
 def user_trainer_settings(trainer_config: dict[str, Any]) -> dict[str, Any]:
     """The settings of the user's ``trainer:`` config that a trial's Trainer takes as they are: every plain value
     (gradient clipping, ``deterministic``, ``detect_anomaly``, ``benchmark``, ...) but those a trial sets itself
-    (``_TRIAL_OWNS``); classes (loggers, callbacks, plugins) are left out. A trial measures the run you train."""
+    (``_TRIAL_OWNS``); loggers and plugins are left out, callbacks are :func:`user_callbacks`. A trial measures the
+    run you train."""
     return {k: v for k, v in trainer_config.items()
             if k not in _TRIAL_OWNS and v is not None and isinstance(v, (bool, int, float, str))}
 
 
-def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, micro: int,
+#: Callbacks a trial leaves out: what it turns off (checkpoints, validation, progress bars, summaries, loggers), what
+#: changes the run's batch (the tuners), and the plan's own callbacks (the trial adds them with the plan's settings).
+_TRIAL_DROPS = ("ModelCheckpoint", "EarlyStopping", "ProgressBar", "ModelSummary", "LearningRateMonitor",
+                "DeviceStatsMonitor", "BatchSizeFinder", "LearningRateFinder", "ElasticBatchSize", "ApplyPlan")
+
+
+def user_callbacks(trainer_config: dict[str, Any], *, folders: tuple[str, ...] = ()) -> tuple[list[Any], list[str]]:
+    """The callbacks of the user's ``trainer.callbacks`` (LightningCLI's ``class_path``/``init_args`` form, a list
+    or one) that a trial runs with, built anew with ``folders`` on ``sys.path`` (the config's and the current one,
+    as LightningCLI has them), and the class names of the kept ones (for the provenance); those of
+    ``_TRIAL_DROPS`` and their subclasses are left out."""
+    entries = trainer_config.get("callbacks") or []
+    entries = entries if isinstance(entries, list) else [entries]
+    if not entries:
+        return [], []
+    from lightning.pytorch.cli import instantiate_class
+
+    from autotune._target.config import on_sys_path
+
+    kept = []
+    with on_sys_path(folders):
+        for entry in entries:
+            callback = instantiate_class((), {"class_path": entry} if isinstance(entry, str) else entry)
+            if not any(cls.__name__ in _TRIAL_DROPS for cls in type(callback).__mro__):
+                kept.append(callback)
+    return kept, [type(c).__name__ for c in kept]
+
+
+def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], callbacks: list[Any], micro: int,
              settings: dict[str, Any]) -> Any:
     import lightning as L
 
@@ -316,7 +349,7 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], meter: Any, mic
         callbacks=[
             ElasticBatchSize(budget=spec.budget, micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
             ApplyPlan(**plan.apply_kwargs()),
-            meter,
+            *callbacks,  # the user's, then the meter: it times what the user's callbacks cost
         ],
         **settings,
         **kwargs,

@@ -107,7 +107,7 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
                                                         ("lr_scheduler", (LRScheduler, ReduceLROnPlateau), False)]
     if with_model:
         wanted[:0] = [("model", (LightningModule,), True), ("data", (LightningDataModule,), False)]
-    with _on_sys_path(folders):
+    with on_sys_path(folders):
         for key, bases, required in wanted:
             sections[key] = _class_section(key, raw.get(key), bases, required=required, errors=errors)
     if sections.get("lr_scheduler") is not None and sections.get("optimizer") is None:
@@ -214,7 +214,7 @@ def _parts_from_config(spec: str, cli: _CliConfig) -> _ConfigParts:
     if cli.model is None:  # _load_config(with_model=True) requires it
         raise TargetError(f"target '{spec}': the config has no `model` section")
     _seed(cli.seed)
-    with _on_sys_path(cli.folders):
+    with on_sys_path(cli.folders):
         model = _instantiate(spec, cli.model)
         datamodule = None if cli.data is None else _instantiate(spec, cli.data)
     if datamodule is None:
@@ -263,7 +263,7 @@ def _require_train_dataloader(spec: str, model: LightningModule, what: str, fix:
 
 
 @contextlib.contextmanager
-def _on_sys_path(folders: Sequence[str]) -> Iterator[None]:
+def on_sys_path(folders: Sequence[str]) -> Iterator[None]:
     """Put ``folders`` first on ``sys.path`` for the block, then take back the ones that were not there."""
     added = [folder for folder in dict.fromkeys(folders) if folder not in sys.path]
     sys.path[:0] = added

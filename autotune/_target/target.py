@@ -41,7 +41,7 @@ from autotune._target.config import (
     _CliConfig,
     _install_optimizers,
     _load_config,
-    _on_sys_path,
+    on_sys_path,
     _one_line,
     _parts_from_config,
     _require_train_dataloader,
@@ -267,7 +267,7 @@ def _load_factory(spec: str) -> _Factory:
     else:
         folders = (cwd,)
         try:
-            with _on_sys_path(folders):
+            with on_sys_path(folders):
                 module = importlib.import_module(location)
         except (Exception, SystemExit) as error:
             raise TargetError(f"target '{spec}': cannot import module '{location}': {_one_line(error)}") from error
@@ -295,7 +295,7 @@ def _import_file(spec: str, path: Path, folders: Sequence[str]) -> types.ModuleT
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses, pickling and typing look classes up here
     try:
-        with _on_sys_path(folders):
+        with on_sys_path(folders):
             module_spec.loader.exec_module(module)
     except SystemExit as error:
         del sys.modules[name]
@@ -313,7 +313,7 @@ def _build_from_factory(spec: str, factory: _Factory, cli: _CliConfig | None) ->
     seed = None if cli is None else cli.seed
     _seed(seed)
     try:
-        with _on_sys_path(factory.folders):
+        with on_sys_path(factory.folders):
             result = factory.function()
     except Exception as error:
         raise TargetError(f"target '{spec}': {factory.name}() raised {_one_line(error)}") from error
