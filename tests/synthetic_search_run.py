@@ -20,7 +20,7 @@ SPACE = """dimensions:
   activation_checkpointing: {choices: [0.0, 1.0]}
 """
 TRIALS = 6
-MEASURE = {"steps": 10, "warmup": 1, "precision": 0.05}  # 10 timed steps at most per trial, +-5%
+MEASURE = {"steps": 10, "warmup": 1, "interval": 0.05}  # 10 timed steps at most per trial, +-5%
 
 
 def smallest_peak() -> int:
@@ -61,7 +61,7 @@ def intervals(runs: int) -> dict:
     plan = Plan(precision="bf16-mixed", micro_batch_size=16)
     out = []
     for _ in range(runs):
-        result = measure_plan(target=TARGET, plan=plan, device="cpu", steps=20, warmup=1, precision=0.03)
+        result = measure_plan(target=TARGET, plan=plan, device="cpu", steps=20, warmup=1, interval=0.03)
         out.append({"status": result.status, "samples_per_second": result.samples_per_second,
                     "interval": result.interval, "steps_timed": result.steps_timed})
     return {"runs": out}

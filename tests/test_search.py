@@ -360,8 +360,8 @@ def test_measure_plan_refuses_bad_input() -> None:
         measure_plan(target="t.py:make", plan={"micro_batch_size": 8})
     with pytest.raises(ValueError, match=r"warmup must be an int >= 1; got 0"):
         measure_plan(target="t.py:make", plan=Plan(), warmup=0)
-    with pytest.raises(ValueError, match=r"precision must be a number between 0 and 1 \(0.03: \+-3%\); got 3"):
-        measure_plan(target="t.py:make", plan=Plan(), precision=3)
+    with pytest.raises(ValueError, match=r"interval must be a number between 0 and 1 \(0.03: \+-3%\); got 3"):
+        measure_plan(target="t.py:make", plan=Plan(), interval=3)
 
 
 def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:

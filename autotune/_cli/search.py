@@ -28,7 +28,7 @@ def build_search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per trial at most (default 20)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed optimizer steps per trial at least; more while step time settles (default 2)")
-    parser.add_argument("--precision", type=_share, default=0.03,
+    parser.add_argument("--interval", type=_share, default=0.03,
                         help="a trial stops timing once its 95%% interval is within +- this share (default 0.03)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per trial, for multi-device spaces: DDP, FSDP2 (default 1)")
@@ -48,7 +48,7 @@ def run_search(args: argparse.Namespace) -> int:
         result = search(
             target=args.target, budget=args.budget, config=args.config, space=args.space, trials=args.trials,
             timeout=args.timeout, storage=args.storage, study=args.study, out=args.out, seed=args.seed,
-            steps=args.steps, warmup=args.warmup, precision=args.precision, device=args.device,
+            steps=args.steps, warmup=args.warmup, interval=args.interval, device=args.device,
             devices=args.devices, callbacks=[progress] if progress else [], command=command,
         )
         if progress and result.figure:

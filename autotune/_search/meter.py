@@ -32,7 +32,7 @@ class TrialSpec:
     devices: int = 1
     steps: int = 20  # timed steps at most
     warmup: int = 2  # warm-up steps at least (more while the step time is not stable)
-    precision: float = 0.03  # stop timing once the 95% interval is within +- this share of the throughput
+    interval: float = 0.03  # stop timing once the 95% interval is within +- this share of the throughput
     stop_below: float | None = None  # samples/s: stop early when the interval's top is below this
 
     def memory_plan(self) -> Any:
@@ -197,7 +197,7 @@ def make_meter(**kwargs: Any) -> Any:
                 return _GO_ON
             if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
                 return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
-            return _ENOUGH if relative_half_width(durations) <= self.spec.precision else _GO_ON
+            return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
 
         def durations(self) -> list[float]:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]

@@ -23,7 +23,7 @@ from autotune._search.rank import (
 )
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import exclusive, open_storage, recover_dead_workers, requeue_interrupted, worker_id
-from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, check_precision, run_trial
+from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, check_interval, run_trial
 
 log = logging.getLogger("autotune")
 
@@ -66,7 +66,7 @@ def search(
     seed: int | None = None,
     steps: int = 20,
     warmup: int = 2,
-    precision: float = 0.03,
+    interval: float = 0.03,
     device: str | None = None,
     devices: int = 1,
     trial_timeout: float = 600.0,
@@ -77,7 +77,7 @@ def search(
 
     Every trial trains the target in a fresh process and measures end-to-end samples/s (data loading included) with
     its 95% interval, and peak memory: warm-up until the step time is stable, then timed steps until the interval is
-    within ``precision`` or ``steps`` steps. The budget is an Optuna constraint; an OOM is a completed, infeasible
+    within ``interval`` or ``steps`` steps. The budget is an Optuna constraint; an OOM is a completed, infeasible
     trial. The estimator orders the first trials (plans predicted to fit, fastest predicted first) and rejects plans
     predicted far over the budget without running them. Before choosing, the plans whose intervals overlap the
     leader's are measured again. Rerunning the same call resumes the study (``trials`` is the total for the study).
@@ -95,7 +95,7 @@ def search(
         seed: the sampler's seed.
         steps: timed optimizer steps per trial at most.
         warmup: untimed optimizer steps per trial at least (more while the step time settles).
-        precision: a trial stops timing once its 95% interval is within +- this share of its throughput.
+        interval: a trial stops timing once its 95% interval is within +- this share of its throughput.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
         devices: devices (ranks) per trial, for the multi-device spaces (DDP, FSDP2); a sharded plan records it.
         trial_timeout: seconds before a trial is stopped and recorded as failed.
@@ -124,7 +124,7 @@ def search(
     check_positive_int("steps", steps)
     check_positive_int("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
     check_positive_int("devices", devices)
-    check_precision(precision)
+    check_interval(interval)
     out_path = _check_out(out)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     tgt = load_target(target, config=config)
@@ -152,7 +152,7 @@ def search(
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
-                            precision=precision, trial_timeout=trial_timeout)
+                            interval=interval, trial_timeout=trial_timeout)
         recover_dead_workers(the_study)
         requeue_interrupted(the_study)
         if finished(the_study) < trials:
@@ -232,11 +232,11 @@ class _Objective:
     """One Optuna trial: suggest a plan, reuse a measurement of the same plan or run it, record the constraint."""
 
     def __init__(self, *, target: str, config: str | None, target_obj: Any, space: SearchSpace, budget: Budget,
-                 budget_bytes: int, device: Any, devices: int, steps: int, warmup: int, precision: float,
+                 budget_bytes: int, device: Any, devices: int, steps: int, warmup: int, interval: float,
                  trial_timeout: float) -> None:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
-        self.steps, self.warmup, self.precision, self.trial_timeout = steps, warmup, precision, trial_timeout
+        self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
         self._auto_cache: dict[tuple[Any, ...], int] = {}
         self.estimator = SearchEstimator(target_obj, device)
 
@@ -308,7 +308,7 @@ class _Objective:
     def _spec(self, plan: Plan, *, stop_below: float | None = None) -> TrialSpec:
         return TrialSpec(target=self.target, config=self.config, plan=plan.to_dict(), budget=str(self.budget),
                          device=self.device.type, devices=self.devices, steps=self.steps, warmup=self.warmup,
-                         precision=self.precision, stop_below=stop_below)
+                         interval=self.interval, stop_below=stop_below)
 
     def _record(self, trial: Any, result: TrialResult, *, source: str) -> float:
         peak = result.peak_bytes

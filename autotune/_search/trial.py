@@ -21,7 +21,7 @@ from typing import Any
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune._search.meter import TrialResult, TrialSpec
 
-__all__ = ["TrialResult", "TrialSpec", "check_positive_int", "check_precision", "measure_plan", "run_trial"]
+__all__ = ["TrialResult", "TrialSpec", "check_positive_int", "check_interval", "measure_plan", "run_trial"]
 
 _PRELOAD = ["torch", "lightning", "lightning.pytorch", "autotune", "autotune.callbacks", "autotune._target.target"]
 _CONTEXT: Any = None
@@ -37,15 +37,15 @@ def measure_plan(
     devices: int = 1,
     steps: int = 20,
     warmup: int = 2,
-    precision: float = 0.03,
+    interval: float = 0.03,
     timeout: float = 600.0,
 ) -> TrialResult:
     """Measure one plan as a search trial does: ``target`` trained with ``plan`` applied, in a fresh process, timed
     end to end (data loading included) with the run's peak memory.
 
     After at least ``warmup`` steps, warm-up goes on until a step takes within 10% of the step before it (at most 5
-    more steps); then steps are timed until the throughput's 95% interval is within ``precision`` of it (at least
-    3 steps) or ``steps`` steps have been timed. The result carries the interval.
+    more steps); then steps are timed until the throughput's 95% interval is within ``interval`` of it (at least
+    5 steps) or ``steps`` steps have been timed. The result carries the interval.
 
     Args:
         target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
@@ -56,7 +56,7 @@ def measure_plan(
         devices: devices (DDP ranks) for the run.
         steps: timed optimizer steps at most.
         warmup: untimed optimizer steps at least (timing starts at the end of the last one).
-        precision: stop timing once the 95% interval is within +- this share of the throughput (0 < precision < 1).
+        interval: stop timing once the 95% interval is within +- this share of the throughput (0 < interval < 1).
         timeout: seconds before the run is stopped and reported as an error.
 
     Returns:
@@ -81,11 +81,11 @@ def measure_plan(
     check_positive_int("steps", steps)
     check_positive_int("warmup", warmup)
     check_positive_int("devices", devices)
-    check_precision(precision)
+    check_interval(interval)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     spec = TrialSpec(target=str(target), config=config, plan=plan.to_dict(),
                      budget=None if budget is None else str(Budget.parse(budget)), device=dev.type, devices=devices,
-                     steps=steps, warmup=warmup, precision=precision)
+                     steps=steps, warmup=warmup, interval=interval)
     return run_trial(spec, timeout=timeout)
 
 
@@ -95,10 +95,10 @@ def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
 
 
-def check_precision(precision: Any) -> None:
-    """Raise ``ValueError`` unless ``precision`` (a measurement's relative half-width) is a number in (0, 1)."""
-    if isinstance(precision, bool) or not isinstance(precision, (int, float)) or not 0 < precision < 1:
-        raise ValueError(f"precision must be a number between 0 and 1 (0.03: +-3%); got {precision!r}")
+def check_interval(interval: Any) -> None:
+    """Raise ``ValueError`` unless ``interval`` (a measurement's relative half-width) is a number in (0, 1)."""
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < 1:
+        raise ValueError(f"interval must be a number between 0 and 1 (0.03: +-3%); got {interval!r}")
 
 
 def _context() -> Any:
