@@ -87,14 +87,16 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     projected = list({repr(sorted((k, v) for k, v in p.items() if k in names)):
                       {k: v for k, v in p.items() if k in names} for p in space.points()}.values())
     scored = []
-    for params in projected:
-        micro = resolve_micro(params) if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
+    for params in projected:  # ``auto`` is ranked as the whole batch (its best case) and resolved only if reached
+        micro = batch_size if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
         plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices))
         scored.append((predicted_cost(plan, batch_size=batch_size, device_type=device_type), plan, params))
     scored.sort(key=lambda item: item[0])  # stable: ties keep the space's order
     chosen: list[dict[str, Any]] = []
     seen: set[str] = set()
     for _, plan, params in scored:
+        if params.get("micro_batch_size") == AUTO:
+            plan = plan.replace(micro_batch_size=resolve_micro(params))
         key = plan.key()
         if key in seen:
             continue  # ``auto`` that resolved to a listed micro-batch
@@ -134,7 +136,7 @@ class SearchEstimator:
         self.calibrated = device.type == "cuda"
         self._batch: Any = None
         self._warned = False
-        self._peaks: dict[str, Any] = {}
+        self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
     def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
@@ -153,14 +155,9 @@ class SearchEstimator:
                         "set", result.reason or result.status)
 
     def tensors(self, plan: Plan) -> int | None:
-        """The estimator's peak of ``plan`` (tensor bytes), cached; None when it cannot tell."""
-        from autotune._estimate.estimate import estimate
-
-        key = plan.key()
-        if key not in self._peaks:
-            result = self._call(estimate, plan=plan)
-            self._peaks[key] = None if result is _FAILED else result.predicted_peak_bytes
-        return self._peaks[key]
+        """The estimator's peak of ``plan`` (tensor bytes); None when it cannot tell."""
+        result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
+        return None if result is _FAILED else result.predicted_peak_bytes
 
     def calibrate(self, plan: Plan, measured_peak: int) -> bool:
         """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
@@ -176,14 +173,23 @@ class SearchEstimator:
             self.baseline, self.calibrated = baseline, True
         return changed
 
-    def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
+        """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
         from autotune._estimate.estimate import first_batch
+        from autotune._estimate.trace import Traces
 
         try:
             with _TRACING:
                 if self._batch is None:
                     self._batch = first_batch(self.target)
-                return fn(model=self.target.model, batch=self._batch, device=self.device, **kwargs)
+                # the dataloader's and the allocator's settings leave the step's tensors as they are
+                shape = plan.replace(micro_batch_size=None, num_workers=None, pin_memory=None,
+                                     expandable_segments=False)
+                traces = self._traces.get(shape.key())
+                if traces is None:
+                    traces = self._traces[shape.key()] = Traces(model=self.target.model, batch=self._batch,
+                                                                plan=shape, device=self.device, optimizer=None)
+                return fn(traces)
         except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
             if not self._warned:
                 self._warned = True
@@ -198,12 +204,10 @@ class SearchEstimator:
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
-        from autotune._estimate.estimate import max_micro_batch_size
-
         room = budget_bytes - self.baseline
         if room <= 0:
             return 1
-        micro = self._call(max_micro_batch_size, plan=plan, budget_bytes=room)
+        micro = self._call(lambda traces: traces.largest_fit(room), plan)
         if micro is _FAILED:
             return batch_size
         return 1 if micro is None else int(micro)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +276,7 @@ class _Objective:
     def _run(self, trial: Any) -> float:
         import optuna
 
+        started = time.perf_counter()
         trial.set_user_attr("worker", worker_id())
         params = self.space.suggest(trial)
         micro = params.get("micro_batch_size")
@@ -295,10 +297,15 @@ class _Objective:
                 result = TrialResult("oom", peak_bytes=predicted,
                                      reason=f"estimated peak {format_bytes(predicted)} is far over the budget")
                 return self._record(trial, result, source="estimate")
-        result = run_trial(self._spec(plan, stop_below=self._stop_below(trial.study)), timeout=self.trial_timeout)
+        spec = self._spec(plan, stop_below=self._stop_below(trial.study))
+        launched = time.perf_counter()
+        result = run_trial(spec, timeout=self.trial_timeout)
+        ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes):
             self._auto_cache.clear()  # later 'auto' choices use the measured baseline
+        # this process's own time for the trial (sampler, estimator, storage), apart from the trial's process
+        trial.set_user_attr("parent_seconds", time.perf_counter() - started - ran)
         if result.status == "pruned":
             raise optuna.TrialPruned(result.reason)
         if result.status == "error":
