@@ -394,7 +394,8 @@ def _reach(values: list[int | None], trials: int) -> str:
 
 def report(results: dict[str, Any]) -> str:
     rows = [["budget (MiB)", "plans fit", "best plan (oracle samples/s)", "trials",
-             "ours: tuned / best, median (min-max)", "random: tuned / best", "ours: trials to 95%", "random: trials to 95%",
+             "ours: tuned / best, median (min-max)", "random: tuned / best", "ours: trials to 95%",
+             "random: trials to 95%",
              "wall ours / exhaustive (median)", "ours: parent s per trial (median)", "ours: re-measurements",
              "ours: plans chosen"]]
     verdicts = []

@@ -303,12 +303,23 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
         trial.set_user_attr("samples_per_second", sps)
         trial.set_user_attr("peak_bytes", peak)
         trial.set_user_attr("status", status)
+        trial.set_user_attr("interval", [0.9 * sps, 1.1 * sps])
         trial.set_constraint("memory", (peak - 2**30) / 2**30)
         study.tell(trial, sps if status == "ok" else 0.0)
+    # what a search stores when it chooses: trial 3 (12/s), measured again twice, over trial 2's single 15/s
+    study.set_user_attr("remeasured", {"3": [{"status": "ok", "samples_per_second": 13.0, "interval": [12.5, 13.5],
+                                              "peak_bytes": 2**28}]})
+    study.set_user_attr("chosen", {"trial": 3, "plan": "32-true, micro 8", "samples_per_second": 12.5,
+                                   "interval": [12.0, 13.0], "runs": [12.0, 13.0], "peak_bytes": 2**28,
+                                   "within_noise_of": ["32-true, micro 16"]})
     assert main(["report", "--storage", storage, "--out", str(tmp_path / "rep")]) == 0
     out = capsys.readouterr().out
     assert "study 'r'" in out and "budget 1GiB" in out
     assert out.count(" yes  ") == 3 and out.count(" no  ") == 1
+    [row] = [line for line in out.splitlines() if line.startswith("*   3 ")]  # the chosen trial is marked
+    assert "+-10.0%" in row and row.endswith("(measured again: 13.0)")
+    assert ("* chosen: trial 3, 32-true, micro 8: 12.5 samples/s (mean of 2 runs, interval [12.0, 13.0]), peak "
+            "256.00 MiB") in out and "within measurement noise of: 32-true, micro 16" in out
     for name in ("tradeoff.png", "history.png", "importance.png"):
         assert (tmp_path / "rep" / name).stat().st_size > 1000
     assert main(["report", "--storage", storage, "--study", "nope"]) == 2

@@ -191,7 +191,8 @@ def test_modelled_dimensions_leave_cpu_precision_and_unmodelled_parents_to_the_s
 
 
 def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_they_need() -> None:
-    space = _space(Dimension("micro_batch_size", ("auto", 4, 8, 16, 32)), Dimension("activation_checkpointing", (0.0, 1.0)),
+    space = _space(Dimension("micro_batch_size", ("auto", 4, 8, 16, 32)),
+                   Dimension("activation_checkpointing", (0.0, 1.0)),
                    Dimension("num_workers", (0, 1)))
     estimated: list[str] = []
 
@@ -211,3 +212,17 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
         {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 1},
         {"micro_batch_size": "auto", "activation_checkpointing": 0.0},
         {"micro_batch_size": 8, "activation_checkpointing": 0.0}]
+
+
+def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotune._search.rank import SearchEstimator
+
+    estimator = SearchEstimator(None, torch.device("cpu"))
+    tensors = {Plan(micro_batch_size=8).key(): 10, Plan(micro_batch_size=8, activation_checkpointing=1.0).key(): 4}
+    monkeypatch.setattr(estimator, "tensors", lambda plan: tensors[plan.replace(num_workers=None).key()])
+    assert estimator.calibrate(Plan(micro_batch_size=8, num_workers=1), 110)  # baseline 100 for the plain shape
+    assert estimator.calibrate(Plan(micro_batch_size=8, activation_checkpointing=1.0), 124)  # 120 when recomputing
+    assert not estimator.calibrate(Plan(micro_batch_size=8), 105)  # a smaller figure does not lower it
+    assert estimator.baseline_for(Plan(micro_batch_size=32)) == 100  # the shape's own: the workers do not matter
+    assert estimator.baseline_for(Plan(micro_batch_size=4, activation_checkpointing=1.0)) == 120
+    assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 120  # not measured: the largest seen

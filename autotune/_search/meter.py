@@ -115,7 +115,8 @@ def relative_half_width(durations: Sequence[float]) -> float:
     """Half the 95% interval of the mean step time over the mean (``inf`` below two steps)."""
     if len(durations) < 2:
         return math.inf
-    return t95(len(durations) - 1) * statistics.stdev(durations) / math.sqrt(len(durations)) / statistics.fmean(durations)
+    half = t95(len(durations) - 1) * statistics.stdev(durations) / math.sqrt(len(durations))
+    return half / statistics.fmean(durations)
 
 
 def warmed_up(durations: Sequence[float], *, minimum: int) -> bool:
@@ -151,7 +152,7 @@ def make_meter(**kwargs: Any) -> Any:
             self.warmup_durations: list[float] = []
             self.marks: list[float] = []  # step ends from the end of warm-up on
             self.pruned = False
-            self.flops: float | None = None  # of one optimizer step (forward and backward), on the last fixed warm-up step
+            self.flops: float | None = None  # one step's forward and backward, on the minimum warm-up's last step
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.first_step is None:

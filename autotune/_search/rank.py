@@ -19,6 +19,7 @@ cheapest candidate (:func:`with_variations`), and otherwise left to the sampler.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -30,6 +31,9 @@ from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
 
 log = logging.getLogger("autotune")
 
+#: A plan predicted over the budget by less than this share of the room for its tensors (the budget less the process
+#: baseline) is still tried: measuring settles what the estimate cannot.
+FIT_SLACK = 0.02
 #: The plan fields the cost model knows.
 MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
             "optimizer_state")
@@ -64,7 +68,8 @@ def predicted_cost(plan: Plan, *, batch_size: int, device_type: str) -> float:
 def modelled_dimensions(space: SearchSpace, device_type: str) -> list[str]:
     """The space's dimensions the cost model ranks: :data:`MODELLED` (precision only on CUDA), less any whose
     condition depends on a dimension the model does not know."""
-    names = {d.name for d in space.dimensions if d.name in MODELLED and (d.name != "precision" or device_type == "cuda")}
+    names = {d.name for d in space.dimensions
+             if d.name in MODELLED and (d.name != "precision" or device_type == "cuda")}
     changed = True
     while changed:
         changed = False
@@ -77,35 +82,42 @@ def modelled_dimensions(space: SearchSpace, device_type: str) -> list[str]:
 
 def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device_type: str, devices: int,
                       resolve_micro: Callable[[dict[str, Any]], int], peak: Callable[[Plan], int | None],
-                      budget_bytes: int) -> list[dict[str, Any]]:
-    """Up to ``limit`` points of ``space`` (its modelled dimensions only) predicted to fit ``budget_bytes``, cheapest
-    predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way). Estimates are made in cost order
-    and stop once ``limit`` candidates fit. A point the estimator cannot tell about counts as fitting."""
+                      budget_bytes: int, tensor_room: int | None = None) -> list[dict[str, Any]]:
+    """Up to ``limit`` points of ``space`` (its modelled dimensions only) predicted to fit ``budget_bytes`` (within
+    ``FIT_SLACK``), cheapest predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way), ranked at
+    the micro-batch it resolves to. Estimates are made in cost order and stop once ``limit`` candidates fit. A point
+    the estimator cannot tell about counts as fitting. ``tensor_room``: the budget less the process baseline (None:
+    the whole budget), of which ``FIT_SLACK`` is the slack."""
     names = modelled_dimensions(space, device_type)
     if not names or limit <= 0:
         return []
+    tensor_room = budget_bytes if tensor_room is None else max(tensor_room, 0)
     projected = list({repr(sorted((k, v) for k, v in p.items() if k in names)):
                       {k: v for k, v in p.items() if k in names} for p in space.points()}.values())
-    scored = []
-    for params in projected:  # ``auto`` is ranked as the whole batch (its best case) and resolved only if reached
+    queue = []
+    for index, params in enumerate(projected):  # ``auto`` first at the whole batch (its best case), resolved if reached
         micro = batch_size if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
         plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices))
-        scored.append((predicted_cost(plan, batch_size=batch_size, device_type=device_type), plan, params))
-    scored.sort(key=lambda item: item[0])  # stable: ties keep the space's order
+        queue.append((predicted_cost(plan, batch_size=batch_size, device_type=device_type), index, plan, params))
+    heapq.heapify(queue)  # cheapest first; ties keep the space's order
     chosen: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for _, plan, params in scored:
-        if params.get("micro_batch_size") == AUTO:
+    resolved: set[int] = set()
+    while queue and len(chosen) < limit:
+        cost, index, plan, params = heapq.heappop(queue)
+        if params.get("micro_batch_size") == AUTO and index not in resolved:
+            resolved.add(index)  # back in the queue at its real cost
             plan = plan.replace(micro_batch_size=resolve_micro(params))
+            heapq.heappush(queue, (predicted_cost(plan, batch_size=batch_size, device_type=device_type), index, plan,
+                                   params))
+            continue
         key = plan.key()
         if key in seen:
             continue  # ``auto`` that resolved to a listed micro-batch
         seen.add(key)
         predicted = peak(plan)
-        if predicted is None or predicted <= budget_bytes:
+        if predicted is None or predicted <= budget_bytes + FIT_SLACK * tensor_room:
             chosen.append(params)
-            if len(chosen) >= limit:
-                break
     return chosen
 
 
@@ -122,10 +134,13 @@ class SearchEstimator:
     """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
 
     The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
-    the process baseline is added, measured by a short trial before the search (its peak less its estimate) and
-    raised as trials measure more (the largest seen, so choices err on the side of fitting). On CUDA the trial's
-    allocator is capped at the budget, which is what the estimate is compared to. Estimates are cached by plan.
-    Any failure of the estimator is logged and the search goes on without it.
+    the process baseline is added, measured by a short trial before the search (its peak less its estimate). Each
+    measured trial then gives its plan's shape (the plan without its micro-batch and dataloader settings) a baseline of
+    its own, the largest seen for it: the estimator's error differs between shapes (checkpointing's recomputation
+    leaves more behind in the resident set than its tensors say), and one shape's must not shrink another's
+    micro-batches. A shape not measured yet takes the largest baseline seen. On CUDA the trial's allocator is capped at
+    the budget, which is what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of
+    the estimator is logged and the search goes on without it.
     """
 
     def __init__(self, target: Any, device: Any) -> None:
@@ -134,6 +149,7 @@ class SearchEstimator:
         self.target, self.device = target, device
         self.baseline = current_rss_bytes() if device.type != "cuda" else 0  # until a trial has measured one
         self.calibrated = device.type == "cuda"
+        self._shape_baselines: dict[str, int] = {}
         self._batch: Any = None
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
@@ -167,11 +183,17 @@ class SearchEstimator:
         predicted = self.tensors(plan)
         if predicted is None:
             return False
-        baseline = measured_peak - predicted
-        changed = not self.calibrated or baseline > self.baseline
+        baseline, key = measured_peak - predicted, _shape(plan).key()
+        changed = key not in self._shape_baselines or baseline > self._shape_baselines[key]
         if changed:
+            self._shape_baselines[key] = max(baseline, self._shape_baselines.get(key, baseline))
+        if not self.calibrated or baseline > self.baseline:
             self.baseline, self.calibrated = baseline, True
         return changed
+
+    def baseline_for(self, plan: Plan) -> int:
+        """The process baseline under ``plan``'s tensors: its shape's if measured, else the largest seen."""
+        return self._shape_baselines.get(_shape(plan).key(), self.baseline)
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
@@ -182,9 +204,7 @@ class SearchEstimator:
             with _TRACING:
                 if self._batch is None:
                     self._batch = first_batch(self.target)
-                # the dataloader's and the allocator's settings leave the step's tensors as they are
-                shape = plan.replace(micro_batch_size=None, num_workers=None, pin_memory=None,
-                                     expandable_segments=False)
+                shape = _shape(plan)
                 traces = self._traces.get(shape.key())
                 if traces is None:
                     traces = self._traces[shape.key()] = Traces(model=self.target.model, batch=self._batch,
@@ -200,17 +220,23 @@ class SearchEstimator:
     def peak(self, plan: Plan) -> int | None:
         """The predicted peak in the search's measure (tensors plus, on CPU, the process baseline)."""
         tensors = self.tensors(plan)
-        return None if tensors is None else tensors + self.baseline
+        return None if tensors is None else tensors + self.baseline_for(plan)
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
-        room = budget_bytes - self.baseline
+        room = budget_bytes - self.baseline_for(plan)
         if room <= 0:
             return 1
         micro = self._call(lambda traces: traces.largest_fit(room), plan)
         if micro is _FAILED:
             return batch_size
         return 1 if micro is None else int(micro)
+
+
+def _shape(plan: Plan) -> Plan:
+    """``plan`` without what leaves the step's tensors as they are: its micro-batch (traced apart), the dataloader's
+    and the allocator's settings."""
+    return plan.replace(micro_batch_size=None, num_workers=None, pin_memory=None, expandable_segments=False)
 
 
 def with_variations(space: SearchSpace, ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:

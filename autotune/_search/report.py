@@ -71,13 +71,15 @@ def trial_table(study: Any) -> str:
         why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
         again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
         mark = "*" if r["chosen"] else " "
-        lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {_half(r['interval'], r['samples_per_second']):>8} "
+        half = _half(r["interval"], r["samples_per_second"])
+        lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {half:>8} "
                      f"{peak:>11} {fits:<4}  {r['plan']}{why}{again}")
     choice = chosen(study)
     if choice:
         low, high = choice["interval"]
         runs = len(choice["runs"])
-        lines.append(f"* chosen: trial {choice['trial']}, {choice['plan']}: {choice['samples_per_second']:.1f} samples/s "
+        lines.append(f"* chosen: trial {choice['trial']}, {choice['plan']}: "
+                     f"{choice['samples_per_second']:.1f} samples/s "
                      f"(mean of {runs} run{'s' if runs > 1 else ''}, interval [{low:.1f}, {high:.1f}]), peak "
                      f"{format_bytes(choice['peak_bytes'])}")
         if choice.get("within_noise_of"):
@@ -102,7 +104,8 @@ def write_plots(study: Any, out: str | Path) -> list[Path]:
     completed trials, ``importance.png`` into ``out``.
 
     Raises:
-        ValueError: when ``out`` cannot be created, or matplotlib is missing (``pip install lightning-autotune[report]``).
+        ValueError: when ``out`` cannot be created, or matplotlib is missing
+            (``pip install lightning-autotune[report]``).
     """
     try:
         import matplotlib
@@ -153,7 +156,13 @@ def write_plots(study: Any, out: str | Path) -> list[Path]:
         written.append(_save(_history(study, rows, plt), folder / "history.png", plt))
     varied = {k for t in completed for k in t.params if len({str(o.params.get(k)) for o in completed}) > 1}
     if len(completed) >= 4 and varied:
-        ax = ovm.plot_param_importances(study)
+        import warnings
+
+        from optuna.exceptions import ExperimentalWarning
+
+        with warnings.catch_warnings():  # Optuna marks its matplotlib plots experimental: not the user's concern
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            ax = ovm.plot_param_importances(study)
         written.append(_save(ax.figure, folder / "importance.png", plt))
     return written
 

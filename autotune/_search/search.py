@@ -252,7 +252,8 @@ class _Objective:
         batch_size = self.target_obj.batch_size()
         ranked = ranked_candidates(
             self.space, limit=count, batch_size=batch_size, device_type=self.device.type, devices=self.devices,
-            resolve_micro=self._auto_micro, peak=self.estimator.peak, budget_bytes=self.budget_bytes)
+            resolve_micro=self._auto_micro, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
+            tensor_room=self.budget_bytes - self.estimator.baseline)
         extra = [p for p in with_variations(self.space, ranked) if p not in seeds]
         return (seeds + extra)[:max(count, len(seeds))]
 
