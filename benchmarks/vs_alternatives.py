@@ -10,8 +10,8 @@ For each model, with the model's effective batch ``B`` (its dataloader's batch s
 - **halving**: the ``find_executable_batch_size`` recipe with the effective batch kept: start with micro-batch
   ``B``, halve it on "OOM" until a run fits. On CPU an "OOM" is a measured peak RSS over the budget (what the
   soft CPU budget of ``ElasticBatchSize`` reacts to); on CUDA it is a real OOM under the hard cap.
-- **autotune**: the plan of a short ``autotune.search`` (``--trials`` trials: 15 with ``--quick``, else 30; the
-  device's shipped space; sampler seed 0).
+- **autotune**: the plan of a short ``autotune.search`` (``--trials`` trials: 6 with ``--quick``, as in the README,
+  else 12; the device's shipped space; sampler seed 0; trials measured as the search does by default).
 
 Every candidate is then measured side by side as a search trial measures a plan (``autotune.measure_plan``: a
 fresh process, end-to-end samples/s after warm-up, the process's peak memory) in interleaved rounds (3 with
@@ -314,15 +314,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_device(parser)
     add_threads(parser, "intra-op threads per process (default: 1 on CPU, torch's default on CUDA)")
     parser.add_argument("--trials", type=int, default=None,
-                        help="trials of the autotune search (default: 15 with --quick, else 30)")
+                        help="trials of the autotune search (default: 6 with --quick, else 12)")
     add_json(parser)
     args = parser.parse_args(argv)
-    # Timed and warm-up steps of the search's and the halving's trials; timed steps, rounds (and rounds for the
-    # BatchSizeFinder's batch, whose samples/s compare with nothing) of the side-by-side measurement.
+    # Timed steps at most (a trial stops once its 95% interval is within +-3%) and warm-up steps at least of the
+    # search's and the halving's trials, as a search has them by default; timed steps at most, rounds (and rounds for
+    # the BatchSizeFinder's batch, whose samples/s compare with nothing) of the side-by-side measurement.
     args.steps, args.warmup, args.judge_steps, args.rounds, args.bsf_rounds = (
-        (4, 2, 8, 3, 1) if args.quick else (8, 3, 24, 5, 3))
+        (20, 2, 20, 3, 1) if args.quick else (20, 2, 40, 5, 3))
     if args.trials is None:
-        args.trials = 15 if args.quick else 30
+        args.trials = 6 if args.quick else 12
     return args
 
 

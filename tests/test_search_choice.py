@@ -220,9 +220,11 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
     estimator = SearchEstimator(None, torch.device("cpu"))
     tensors = {Plan(micro_batch_size=8).key(): 10, Plan(micro_batch_size=8, activation_checkpointing=1.0).key(): 4}
     monkeypatch.setattr(estimator, "tensors", lambda plan: tensors[plan.replace(num_workers=None).key()])
+    tensors[Plan(micro_batch_size=2).key()] = 3
     assert estimator.calibrate(Plan(micro_batch_size=8, num_workers=1), 110)  # baseline 100 for the plain shape
     assert estimator.calibrate(Plan(micro_batch_size=8, activation_checkpointing=1.0), 124)  # 120 when recomputing
-    assert not estimator.calibrate(Plan(micro_batch_size=8), 105)  # a smaller figure does not lower it
+    assert not estimator.calibrate(Plan(micro_batch_size=8), 105)  # a smaller figure at one micro-batch: kept
+    assert not estimator.calibrate(Plan(micro_batch_size=2), 113)  # a smaller micro-batch speaks less for the shape
     assert estimator.baseline_for(Plan(micro_batch_size=32)) == 100  # the shape's own: the workers do not matter
     assert estimator.baseline_for(Plan(micro_batch_size=4, activation_checkpointing=1.0)) == 120
     assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 120  # not measured: the largest seen

@@ -136,9 +136,10 @@ class SearchEstimator:
     The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
     the process baseline is added, measured by a short trial before the search (its peak less its estimate). Each
     measured trial then gives its plan's shape (the plan without its micro-batch and dataloader settings) a baseline of
-    its own, the largest seen for it: the estimator's error differs between shapes (checkpointing's recomputation
-    leaves more behind in the resident set than its tensors say), and one shape's must not shrink another's
-    micro-batches. A shape not measured yet takes the largest baseline seen. On CUDA the trial's allocator is capped at
+    its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto`` decides): the
+    estimator's error differs between shapes (checkpointing's recomputation leaves more behind in the resident set
+    than its tensors say), and one shape's must not shrink another's micro-batches. A shape not measured yet takes
+    the largest baseline seen. On CUDA the trial's allocator is capped at
     the budget, which is what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of
     the estimator is logged and the search goes on without it.
     """
@@ -149,7 +150,7 @@ class SearchEstimator:
         self.target, self.device = target, device
         self.baseline = current_rss_bytes() if device.type != "cuda" else 0  # until a trial has measured one
         self.calibrated = device.type == "cuda"
-        self._shape_baselines: dict[str, int] = {}
+        self._shape_baselines: dict[str, tuple[int, int]] = {}  # shape: (micro-batch measured, its baseline)
         self._batch: Any = None
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
@@ -183,17 +184,21 @@ class SearchEstimator:
         predicted = self.tensors(plan)
         if predicted is None:
             return False
-        baseline, key = measured_peak - predicted, _shape(plan).key()
-        changed = key not in self._shape_baselines or baseline > self._shape_baselines[key]
+        baseline, key, micro = measured_peak - predicted, _shape(plan).key(), plan.micro_batch_size or 0
+        known = self._shape_baselines.get(key)
+        # the measurement nearest the budget speaks for the shape: the largest micro-batch (the larger baseline of
+        # two at one micro-batch)
+        changed = known is None or (micro, baseline) > known
         if changed:
-            self._shape_baselines[key] = max(baseline, self._shape_baselines.get(key, baseline))
+            self._shape_baselines[key] = (micro, baseline)
         if not self.calibrated or baseline > self.baseline:
             self.baseline, self.calibrated = baseline, True
         return changed
 
     def baseline_for(self, plan: Plan) -> int:
         """The process baseline under ``plan``'s tensors: its shape's if measured, else the largest seen."""
-        return self._shape_baselines.get(_shape(plan).key(), self.baseline)
+        known = self._shape_baselines.get(_shape(plan).key())
+        return self.baseline if known is None else known[1]
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
