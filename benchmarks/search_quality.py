@@ -147,11 +147,13 @@ class AutoMicro:
 
     def resolve(self, params: dict[str, Any], budget_bytes: int, batch_size: int) -> int:
         """The micro-batch for the ``auto`` point ``params``: bisection over 1..``batch_size`` (the peak grows with
-        the micro-batch, so this is the largest that fits)."""
+        the micro-batch) for the largest that fits, evened out as the search does (the same number of micro-batches
+        of equal sizes). The search also learns a baseline per plan shape as it measures, which this does not."""
         plan = plan_of(params, None)
         key = plan.key()
         if key not in self._choices:
-            self._choices[key] = self._largest(plan, budget_bytes - self.baseline, batch_size)
+            largest = self._largest(plan, budget_bytes - self.baseline, batch_size)
+            self._choices[key] = -(-batch_size // -(-batch_size // largest))
         return self._choices[key]
 
     def _largest(self, plan: Any, room: int, batch_size: int) -> int:

@@ -17,7 +17,7 @@ from autotune._plan.plan import Plan, field_problems
 #: Plan fields a space may search (the budget is the search's constraint, the devices its argument, the provenance
 #: its record).
 SEARCHABLE = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("budget", "devices", "provenance"))
-AUTO = "auto"  # micro_batch_size choice: the largest micro-batch the estimator predicts to fit
+AUTO = "auto"  # micro_batch_size choice: the largest micro-batch predicted to fit, evened out (equal micro-batches)
 
 
 class SpaceError(ValueError):

@@ -5,8 +5,8 @@ The cost model is relative seconds per sample from what is known to cost time wh
 
 - recomputation: checkpointing a share ``c`` of the blocks runs that share of the forward again, about ``c / 3`` of
   a step's FLOPs (a backward costs about two forwards);
-- micro-batch ``m``: a step of ``B`` samples runs ``B / m`` forward/backward passes, each with a fixed cost (kernel
-  launches, Python, hooks) of about one sample's compute: ``1 + 1 / m`` per sample;
+- micro-batch ``m``: a step of ``B`` samples runs ``ceil(B / m)`` forward/backward passes, each with a fixed cost
+  (kernel launches, Python, hooks) of about one sample's compute: ``1 + ceil(B / m) / B`` per sample;
 - precision on CUDA: 16-bit matmuls run on tensor cores at about twice TF32's rate (0.5; bf16-true also halves the
   optimizer's traffic, 0.45). On CPU precision is not modelled (most CPUs have no fast 16-bit matmul, those with
   AMX do; autocast adds casts): the sampler chooses it;
@@ -53,7 +53,7 @@ def predicted_cost(plan: Plan, *, batch_size: int, device_type: str) -> float:
     ckpt = plan.activation_checkpointing
     share = float(ckpt) if isinstance(ckpt, (int, float)) and not isinstance(ckpt, bool) else (1.0 if ckpt else 0.0)
     micro = min(plan.micro_batch_size or batch_size, batch_size)
-    cost = (1 + share / 3) * (1 + 1 / micro)
+    cost = (1 + share / 3) * (1 + -(-batch_size // micro) / batch_size)  # ceil(B / m) passes of B samples
     if device_type == "cuda":
         cost *= _CUDA_PRECISION.get(plan.precision, 1.0)
     if plan.activation_offload:
