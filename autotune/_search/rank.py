@@ -138,8 +138,9 @@ class SearchEstimator:
     measured trial then gives its plan's shape (the plan without its micro-batch and dataloader settings) a baseline of
     its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto`` decides): the
     estimator's error differs between shapes (checkpointing's recomputation leaves more behind in the resident set
-    than its tensors say), and one shape's must not shrink another's micro-batches. A shape not measured yet takes
-    the largest baseline seen. On CUDA the trial's allocator is capped at
+    than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold can leave
+    far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet takes the
+    first baseline measured (the short run's). On CUDA the trial's allocator is capped at
     the budget, which is what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of
     the estimator is logged and the search goes on without it.
     """
@@ -191,12 +192,12 @@ class SearchEstimator:
         changed = known is None or (micro, baseline) > known
         if changed:
             self._shape_baselines[key] = (micro, baseline)
-        if not self.calibrated or baseline > self.baseline:
+        if not self.calibrated:  # the first measurement (the search's short run before its trials) speaks for all
             self.baseline, self.calibrated = baseline, True
         return changed
 
     def baseline_for(self, plan: Plan) -> int:
-        """The process baseline under ``plan``'s tensors: its shape's if measured, else the largest seen."""
+        """The process baseline under ``plan``'s tensors: its shape's if measured, else the first measured."""
         known = self._shape_baselines.get(_shape(plan).key())
         return self.baseline if known is None else known[1]
 
