@@ -6,7 +6,8 @@ fresh weights and its peak is measured by code that shares nothing with the esti
 - CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free of the CPU allocator
   (tensors and kernels' internal buffers alike). The peak is the bytes alive before profiling (parameters,
   buffers, the batch) plus the highest running sum of those events inside the measured step.
-- CUDA: ``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats()``.
+- CUDA: ``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats()``, each case
+  in a fresh process (cuBLAS's workspaces, kept once allocated, would otherwise be in every later case's base).
 
 The real step is the one Lightning runs with the plan's callbacks: the plan's precision through Lightning's
 precision plugins, checkpointing by non-reentrant ``torch.utils.checkpoint`` around each of the model's own blocks
@@ -56,7 +57,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
     sys.path.insert(0, _HERE)
 
-from _common import add_device, add_json, make_parser, markdown_table, use_paths  # noqa: E402
+from _common import add_device, add_json, in_fresh_process, make_parser, markdown_table, use_paths  # noqa: E402
 
 use_paths(gpt=True)
 
@@ -334,6 +335,14 @@ def _nothing() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------------- report
 
 
+def _measure_case(name: str, plan: dict[str, Any], device: str) -> int:
+    """One CUDA case, in a process of its own: cuBLAS keeps its workspaces allocated once a matrix product has run,
+    so in a shared process every case after the first would count them in its base and leave them out of its peak,
+    while the estimate counts them (``autotune/_estimate/workspace.py``)."""
+    model, batch = build(name)
+    return measure_peak(model=model, batch=batch, plan=Plan.from_dict(plan), device=device)
+
+
 def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[str, Any]]:
     """Predict and measure every model x plan; one row per pair."""
     rows = []
@@ -343,7 +352,10 @@ def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[s
             start = time.perf_counter()
             predicted = estimate(model=model, batch=batch, plan=plan, device=device)
             traced = time.perf_counter() - start
-            measured = measure_peak(model=model, batch=batch, plan=plan, device=device)
+            if device.startswith("cuda"):  # a fresh process per case: see _measure_case
+                measured = in_fresh_process(_measure_case, name, plan.to_dict(), device)
+            else:
+                measured = measure_peak(model=model, batch=batch, plan=plan, device=device)
             gc.collect()
             error = (predicted.predicted_peak_bytes - measured) / measured
             rows.append({"model": name, "plan": plan.describe(), "predicted_bytes": predicted.predicted_peak_bytes,

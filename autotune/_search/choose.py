@@ -3,8 +3,8 @@
 Every measurement of a plan (its trial, and any re-measurement) is combined into one figure: the mean of the runs'
 throughputs, with an interval of +- the larger of the runs' own precision (their 95% half-widths, combined) and half
 the spread between runs (two processes of the same plan scatter more than one run's steps do). Before a plan is
-declared best, the plans whose interval overlaps the leader's are measured again (with the leader), up to
-``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted. The progress line, ``autotune report``, the
+declared best, the plans whose interval overlaps the leader's and whose mean is within 15% of it are measured
+again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted. The progress line, ``autotune report``, the
 plots and the tuned file's provenance all read the result from the study (``chosen``), so they name the same plan.
 """
 
@@ -18,6 +18,9 @@ from typing import Any
 
 #: The leader and at most this many plans in all are measured again when their intervals overlap.
 REMEASURE_TOP = 3
+#: A contender's mean is within this share of the leader's (a plan clearly behind on its mean is not re-run, however
+#: wide the interval of a short trial).
+CONTENDER_WITHIN = 0.15
 #: Rounds of re-measurement at most (each round measures every overlapping contender once more).
 REMEASURE_ROUNDS = 2
 #: The study's user attribute holding re-measurements: {"<trial number>": [run, ...]}.
@@ -115,7 +118,8 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         if not ranked:
             return None
         lead = ranked[0]
-        contenders = [f for f in ranked[:REMEASURE_TOP] if f is lead or f.overlaps(lead)]
+        contenders = [f for f in ranked[:REMEASURE_TOP] if f is lead or (
+            f.overlaps(lead) and f.samples_per_second >= (1 - CONTENDER_WITHIN) * lead.samples_per_second)]
         if len(contenders) == 1:
             break
         for figure in contenders:

@@ -80,8 +80,14 @@ class TrialResult:
 MIN_TIMED = 5
 #: Warm-up ends when a step's time is within this share of the step before it.
 STABLE_WITHIN = 0.10
-#: Warm-up steps a trial may add to its minimum while the step time has not settled.
+#: Warm-up steps a trial may add to its minimum while the step time has not settled (no more than its timed steps).
 EXTRA_WARMUP = 5
+
+
+def extra_warmup(steps: int) -> int:
+    """Warm-up steps a trial of at most ``steps`` timed steps may add: ``EXTRA_WARMUP``, or ``steps`` if fewer (a
+    short measurement asked for is not made long by its warm-up)."""
+    return min(EXTRA_WARMUP, steps)
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom 1..30 (normal beyond).
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -119,13 +125,13 @@ def relative_half_width(durations: Sequence[float]) -> float:
     return half / statistics.fmean(durations)
 
 
-def warmed_up(durations: Sequence[float], *, minimum: int) -> bool:
+def warmed_up(durations: Sequence[float], *, minimum: int, extra: int = EXTRA_WARMUP) -> bool:
     """Whether warm-up may end after the steps ``durations`` timed: at least ``minimum`` steps, and the last step's
-    time within ``STABLE_WITHIN`` of the one before (or ``EXTRA_WARMUP`` steps past the minimum)."""
+    time within ``STABLE_WITHIN`` of the one before (or ``extra`` steps past the minimum)."""
     done = len(durations)
     if done < minimum:
         return False
-    if done >= minimum + EXTRA_WARMUP:
+    if done >= minimum + extra:
         return True
     return done >= 2 and abs(durations[-1] - durations[-2]) <= STABLE_WITHIN * durations[-2]
 
@@ -190,7 +196,8 @@ def make_meter(**kwargs: Any) -> Any:
 
         def _decide(self, now: float) -> int:
             if not self.marks:
-                return _TIMING_STARTS if warmed_up(self.warmup_durations, minimum=self.spec.warmup) else _GO_ON
+                stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
+                return _TIMING_STARTS if stable else _GO_ON
             durations = self.durations()
             if len(durations) >= self.spec.steps:
                 return _ENOUGH

@@ -44,8 +44,8 @@ def measure_plan(
     end to end (data loading included) with the run's peak memory.
 
     After at least ``warmup`` steps, warm-up goes on until a step takes within 10% of the step before it (at most 5
-    more steps); then steps are timed until the throughput's 95% interval is within ``interval`` of it (at least
-    5 steps) or ``steps`` steps have been timed. The result carries the interval.
+    more steps, and no more than ``steps``); then steps are timed until the throughput's 95% interval is within
+    ``interval`` of it (at least 5 steps) or ``steps`` steps have been timed. The result carries the interval.
 
     Args:
         target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
@@ -333,13 +333,13 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], callbacks: list
              settings: dict[str, Any]) -> Any:
     import lightning as L
 
-    from autotune._search.meter import EXTRA_WARMUP
+    from autotune._search.meter import extra_warmup
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
     return L.Trainer(
         accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
         devices=spec.devices,
-        max_steps=spec.warmup + EXTRA_WARMUP + spec.steps,  # the meter stops the run when it knows enough
+        max_steps=spec.warmup + extra_warmup(spec.steps) + spec.steps,  # the meter stops it when it knows enough
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
