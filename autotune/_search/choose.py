@@ -4,8 +4,9 @@ Every measurement of a plan (its trial, and any re-measurement) is combined into
 throughputs, with an interval of +- the larger of the runs' own precision (their 95% half-widths, combined) and half
 the spread between runs (two processes of the same plan scatter more than one run's steps do). Before a plan is
 declared best, the plans whose interval overlaps the leader's and whose mean is within 15% of it are measured
-again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted. The progress line, ``autotune report``, the
-plots and the tuned file's provenance all read the result from the study (``chosen``), so they name the same plan.
+again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted. The progress
+line, ``autotune report``, the plots and the tuned file's provenance all read the result from the study
+(``chosen``), so they name the same plan.
 """
 
 from __future__ import annotations
