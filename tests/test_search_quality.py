@@ -36,7 +36,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
 
 
 def _fits(point: dict) -> bool:
-    """512 KiB per sample and kept block: 16 MiB and less fits the budget (the floor + 24 MiB), 32 MiB does not."""
+    """512 KiB per sample and kept block: 16 MiB and less fits the budget (at 24 MiB), 32 MiB does not."""
     kept_blocks = 2 if point["activation_checkpointing"] == 0.0 else 1
     return point["micro_batch_size"] * kept_blocks * 0.5 <= 16
 
