@@ -36,7 +36,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
 
 
 def _fits(point: dict) -> bool:
-    """512 KiB per sample and kept block: 16 MiB and less fits the budget (at 24 MiB), 32 MiB does not."""
+    """512 KiB per sample and kept block: 16 MiB and less fits the budget, 32 MiB does not."""
     kept_blocks = 2 if point["activation_checkpointing"] == 0.0 else 1
     return point["micro_batch_size"] * kept_blocks * 0.5 <= 16
 
@@ -84,4 +84,4 @@ def test_a_trials_interval_holds_the_true_throughput(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" and r["steps_timed"] >= 5 for r in runs)
     held = [r["interval"][0] <= truth <= r["interval"][1] for r in runs]
     assert sum(held) >= 12, [(round(r["samples_per_second"]), r["interval"]) for r in runs]
-    assert all(r["interval"][1] - r["interval"][0] < 0.2 * truth for r in runs)  # not vacuous: within +-10%
+    assert all(r["interval"][1] - r["interval"][0] < 0.3 * truth for r in runs)  # not vacuous: within +-15%
