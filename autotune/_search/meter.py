@@ -187,14 +187,14 @@ def make_meter(**kwargs: Any) -> Any:
             else:
                 self.warmup_durations.append(now - (now if self.step_start is None else self.step_start))
                 self.step_start = now
-            decision = trainer.strategy.broadcast(self._decide(now), src=0)  # rank 0's timing decides for all
+            decision = trainer.strategy.broadcast(self._decide(), src=0)  # rank 0's timing decides for all
             if decision == _TIMING_STARTS and not self.marks:
                 self.marks = [now]
             elif decision in (_ENOUGH, _TOO_SLOW):
                 self.pruned = decision == _TOO_SLOW
                 trainer.should_stop = True
 
-        def _decide(self, now: float) -> int:
+        def _decide(self) -> int:
             if not self.marks:
                 stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
                 return _TIMING_STARTS if stable else _GO_ON
