@@ -1,7 +1,8 @@
 """Runs searches (or plain measurements) of the synthetic target for tests/test_search_quality.py, in a process of
 its own: glibc's malloc must be told before the process starts to return large blocks at once
 (``MALLOC_MMAP_THRESHOLD_``), or a CPU trial's peak resident set depends on its allocation history, and the target's
-noise is set in the environment the trials inherit.
+noise is set in the environment the trials inherit. The output also says how many paced steps overran their time
+(``pace``), which breaks the target's known ranking.
 
 Usage: python tests/synthetic_search_run.py {search SEEDS | interval RUNS} OUT.json
 """
@@ -9,6 +10,7 @@ Usage: python tests/synthetic_search_run.py {search SEEDS | interval RUNS} OUT.j
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -77,6 +79,15 @@ def intervals(runs: int) -> dict:
     return {"runs": out}
 
 
+def pace(log: Path) -> dict:
+    """Paced steps and overruns over every run (each run appends "steps overruns")."""
+    lines = [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
+    return {"runs": len(lines), "steps": sum(s for s, _ in lines), "overruns": sum(o for _, o in lines)}
+
+
 if __name__ == "__main__":
     mode, count, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    Path(path).write_text(json.dumps(searches(count) if mode == "search" else intervals(count)))
+    log = Path(tempfile.mkdtemp(prefix="autotune-pace-")) / "pace.log"
+    os.environ["AUTOTUNE_SYNTHETIC_PACE_LOG"] = str(log)  # before the first trial: trials inherit it
+    out = searches(count) if mode == "search" else intervals(count)
+    Path(path).write_text(json.dumps({**out, "pace": pace(log)}))

@@ -2,7 +2,9 @@
 best plan in 6 trials, random search with the same trials does worse, and a trial's interval holds the truth.
 
 The runs happen in a process of their own (tests/synthetic_search_run.py): its malloc returns large blocks at once,
-so that a CPU trial's peak is its plan's, and the target's noise is set before its trials start.
+so that a CPU trial's peak is its plan's, and the target's noise is set before its trials start. A failure message
+carries ``pace``: how many of the target's paced steps overran their time (the known ranking holds only while they do
+not; a machine more than about twice slower than the target's margin, or heavily loaded, breaks it).
 """
 
 from __future__ import annotations
@@ -70,10 +72,9 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_and_random_search_does
             if t["status"] in ("ok", "pruned"):
                 assert (t["peak_bytes"] <= budget) is _fits(point), (point, t["peak_bytes"], budget)
         found += run["chosen"] == best
-    # The issue asks for 9 of 10: met on a quiet machine (10 of 10), not in one clean-clone CI run under load (7 of
-    # 10). Asserted: what holds in both, and well above random search's chance (4 of 10 expected; 7 or more in 4.6%).
-    assert found >= 7, [run["chosen"] for run in result["runs"]]
-    assert _random_search_chance() < 0.45  # random search: 4 of 10 seeds expected, at best
+    # 10 of 10 here, also with two busy processes on this machine's 2 cores (5% of paced steps overran)
+    assert found >= 9, (result["pace"], [run["chosen"] for run in result["runs"]])
+    assert _random_search_chance() < 0.45  # random search: 4 of 10 seeds expected, at best (9 or more in 0.2%)
 
 
 @pytest.mark.slow
@@ -85,5 +86,5 @@ def test_a_trials_interval_holds_the_true_throughput(tmp_path: Path) -> None:
     runs = result["runs"]
     assert all(r["status"] == "ok" and r["steps_timed"] >= 5 for r in runs)
     held = [r["interval"][0] <= truth <= r["interval"][1] for r in runs]
-    assert sum(held) >= 12, [(round(r["samples_per_second"]), r["interval"]) for r in runs]
+    assert sum(held) >= 12, (result["pace"], [(round(r["samples_per_second"]), r["interval"]) for r in runs])
     assert all(r["interval"][1] - r["interval"][0] < 0.3 * truth for r in runs)  # not vacuous: within +-15%
