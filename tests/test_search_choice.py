@@ -202,11 +202,11 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
 
     got = ranked_candidates(space, limit=3, batch_size=32, device_type="cpu", devices=1,
                             resolve_micro=lambda params: 12, peak=peak, budget_bytes=32)
-    # 32 and 16 without checkpointing and auto (12) are predicted over or at the budget... 16 x 2 = 32 fits.
+    # 32 without checkpointing is over the budget, 16 x 2 = 32 fits: so do auto (12) and 8, without an estimate
     assert got == [{"micro_batch_size": 16, "activation_checkpointing": 0.0},
                    {"micro_batch_size": "auto", "activation_checkpointing": 0.0},
                    {"micro_batch_size": 8, "activation_checkpointing": 0.0}]
-    assert estimated == ["32-true, micro 32", "32-true, micro 16", "32-true, micro 12", "32-true, micro 8"]
+    assert estimated == ["32-true, micro 32", "32-true, micro 16"]
     assert with_variations(space, got) == [
         {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 0},
         {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 1},
@@ -228,3 +228,32 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
     assert estimator.baseline_for(Plan(micro_batch_size=32)) == 100  # the shape's own: the workers do not matter
     assert estimator.baseline_for(Plan(micro_batch_size=4, activation_checkpointing=1.0)) == 120
     assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 100  # not measured: the first measured
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 32, 100])
+@pytest.mark.parametrize("per_sample", [1, 3, 10, 40])
+@pytest.mark.parametrize("kink", [0, 5])
+def test_auto_finds_the_largest_even_micro_batch_that_fits_with_few_traces(batch_size: int, per_sample: int,
+                                                                           kink: int) -> None:
+    from autotune._search.rank import _largest_even_fit, even_micro_batches
+
+    class Traces:  # a peak of 100 "bytes" plus per_sample per sample, and kink more per sample past 20 samples
+        size = batch_size
+
+        def __init__(self) -> None:
+            self.traced: list[int] = []
+
+        def at(self, micro: int) -> Any:
+            if micro not in self.traced:
+                self.traced.append(micro)
+            return SimpleNamespace(predicted_peak_bytes=100 + per_sample * micro + kink * max(0, micro - 20))
+
+    room = 400
+    traces = Traces()
+    fits = [m for m in range(1, batch_size + 1) if traces.at(m).predicted_peak_bytes <= room]
+    expected = -(-batch_size // -(-batch_size // max(fits))) if fits else None  # the largest, evened out
+    traces.traced.clear()
+    assert _largest_even_fit(traces, room) == expected
+    assert set(traces.traced) <= set(even_micro_batches(batch_size))
+    # a line: the whole batch, one sample, the guess on the line and its neighbour; a kinked line: a few more
+    assert len(traces.traced) <= (4 if kink == 0 else 7), traces.traced

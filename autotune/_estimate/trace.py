@@ -182,11 +182,11 @@ class Traces:
     def largest_fit(self, budget_bytes: int, world_size: int | None = None) -> int | None:
         """The largest m in 1..size whose peak fits, for a peak that grows with m."""
         peak: Callable[[int], int] = lambda m: self.at(m, world_size).predicted_peak_bytes  # noqa: E731
+        if peak(self.size) <= budget_bytes:  # first: where the whole batch fits, one trace answers
+            return self.size
         if peak(1) > budget_bytes:
             return None
         lo, hi = 1, self.size  # lo fits, hi does not
-        if peak(hi) <= budget_bytes:
-            return hi
         bisect = False
         while hi - lo > 1:
             width = hi - lo

@@ -87,7 +87,9 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     ``FIT_SLACK``), cheapest predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way), ranked at
     the micro-batch it resolves to. Estimates are made in cost order and stop once ``limit`` candidates fit. A point
     the estimator cannot tell about counts as fitting. ``tensor_room``: the budget less the process baseline (None:
-    the whole budget), of which ``FIT_SLACK`` is the slack."""
+    the whole budget), of which ``FIT_SLACK`` is the slack. The peak grows with the micro-batch: a point whose
+    shape (its plan without the micro-batch) fits at a larger micro-batch fits without an estimate of its own (larger
+    micro-batches cost less: they come first)."""
     names = modelled_dimensions(space, device_type)
     if not names or limit <= 0:
         return []
@@ -103,6 +105,20 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     chosen: list[dict[str, Any]] = []
     seen: set[str] = set()
     resolved: set[int] = set()
+    limit_bytes = budget_bytes + FIT_SLACK * tensor_room
+    fits_up_to: dict[str, int] = {}  # by shape: the largest micro-batch predicted to fit
+
+    def fits(plan: Plan) -> bool:
+        shape, micro = plan.replace(micro_batch_size=None).key(), plan.micro_batch_size or batch_size
+        if micro <= fits_up_to.get(shape, 0):
+            return True
+        predicted = peak(plan)
+        if predicted is None:  # the estimator cannot tell: tried
+            return True
+        if predicted <= limit_bytes:
+            fits_up_to[shape] = max(fits_up_to.get(shape, 0), micro)
+        return predicted <= limit_bytes
+
     while queue and len(chosen) < limit:
         cost, index, plan, params = heapq.heappop(queue)
         if params.get("micro_batch_size") == AUTO and index not in resolved:
@@ -115,8 +131,7 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
         if key in seen:
             continue  # ``auto`` that resolved to a listed micro-batch
         seen.add(key)
-        predicted = peak(plan)
-        if predicted is None or predicted <= budget_bytes + FIT_SLACK * tensor_room:
+        if fits(plan):
             chosen.append(params)
     return chosen
 
@@ -156,14 +171,17 @@ class SearchEstimator:
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
-    def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
+    def measure_baseline(self, *, target: str, config: str | None, budget_bytes: int, timeout: float = 600.0) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
-        ``target`` at micro-batch 1 (two steps), its peak resident set less its estimate. Nothing on CUDA."""
+        ``target`` (two steps of the default plan at the largest micro-batch predicted to fit ``budget_bytes`` with
+        this process's resident set as the baseline: few passes, so it is quick), its peak resident set less its
+        estimate. Nothing on CUDA."""
         if self.device.type == "cuda":
             return
         from autotune._search.trial import TrialSpec, run_trial
 
-        plan = Plan(micro_batch_size=1)
+        size = self.target.batch_size()
+        plan = Plan(micro_batch_size=self.largest_micro(Plan(), budget_bytes, size))
         result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None, device="cpu",
                                      steps=1, warmup=1), timeout=timeout)
         if result.status == "ok" and result.peak_bytes:
@@ -229,14 +247,55 @@ class SearchEstimator:
         return None if tensors is None else tensors + self.baseline_for(plan)
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
-        """The largest micro-batch predicted to fit; 1 when none is, the whole batch when the estimator fails."""
+        """The largest micro-batch predicted to fit, evened out (:func:`even_micro_batches`); 1 when none is, the
+        whole batch when the estimator fails."""
         room = budget_bytes - self.baseline_for(plan)
         if room <= 0:
             return 1
-        micro = self._call(lambda traces: traces.largest_fit(room), plan)
+        micro = self._call(lambda traces: _largest_even_fit(traces, room), plan)
         if micro is _FAILED:
             return batch_size
         return 1 if micro is None else int(micro)
+
+
+def even_micro_batches(batch_size: int) -> list[int]:
+    """The micro-batches that split ``batch_size`` into passes of equal sizes, smallest first: ``ceil(B / k)`` for
+    ``k`` passes. The largest of them that fits is the largest micro-batch that fits, evened out (8 rather than 9 for
+    a batch of 32: both take 4 passes, 8 with less memory).
+
+    Example:
+        >>> even_micro_batches(32)
+        [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 32]
+    """
+    return sorted({-(-batch_size // passes) for passes in range(1, batch_size + 1)})
+
+
+def _largest_even_fit(traces: Any, room: int) -> int | None:
+    """The largest of :func:`even_micro_batches` whose traced peak fits ``room`` (the peak grows with the
+    micro-batch), or None. The whole batch first, then one sample; then a guess on the line through the two nearest
+    traced sizes and its neighbour (where the peak is a line, these two settle it), alternating with halving where
+    they did not halve the interval."""
+    sizes = even_micro_batches(traces.size)
+    peak: Callable[[int], int] = lambda i: traces.at(sizes[i]).predicted_peak_bytes  # noqa: E731
+    lo, hi = 0, len(sizes) - 1  # indices: lo fits, hi does not
+    if peak(hi) <= room:
+        return sizes[hi]
+    if peak(lo) > room:
+        return None
+    bisect = False
+    while hi - lo > 1:
+        width = hi - lo
+        slope = (peak(hi) - peak(lo)) / (sizes[hi] - sizes[lo])
+        if bisect or slope <= 0:
+            guess = (lo + hi) // 2
+        else:  # the largest size at or below the line's crossing of the room
+            crossing = sizes[lo] + (room - peak(lo)) / slope
+            guess = max((i for i in range(lo + 1, hi) if sizes[i] <= crossing), default=lo + 1)
+        lo, hi, beside = (guess, hi, guess + 1) if peak(guess) <= room else (lo, guess, guess - 1)
+        if not bisect and lo < beside < hi:
+            lo, hi = (beside, hi) if peak(beside) <= room else (lo, beside)
+        bisect = not bisect and hi - lo > width // 2
+    return sizes[lo]
 
 
 def _shape(plan: Plan) -> Plan:

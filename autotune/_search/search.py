@@ -244,7 +244,8 @@ class _Objective:
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's resident set, measure what a trial holds besides the
         tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
-        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
+        self.estimator.measure_baseline(target=self.target, config=self.config, budget_bytes=self.budget_bytes,
+                                        timeout=self.trial_timeout)
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
         """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
@@ -365,9 +366,7 @@ class _Objective:
         key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
         if key not in self._auto_cache:
             plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
-            batch = self.target_obj.batch_size()
-            largest = self.estimator.largest_micro(plan, self.budget_bytes, batch)
-            self._auto_cache[key] = -(-batch // -(-batch // largest))
+            self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
         return self._auto_cache[key]
 
     def remeasure(self, trial: Any) -> dict[str, Any]:
