@@ -254,7 +254,10 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
     cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
            "--trials", "4", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
            "--no-progress"]
+    # two workers on one machine: each trial one thread, as docs/search.md says (two trials of 2 threads each on 2
+    # cores spin against each other: 10x slower)
     workers = [subprocess.Popen([*cmd, "--out", str(tmp_path / f"t{i}.yaml"), "--seed", str(i)],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for w in workers:
         assert w.wait(timeout=600) == 0, w.stderr.read()[-2000:] if w.stderr else ""
