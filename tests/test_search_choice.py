@@ -99,6 +99,14 @@ def test_a_run_whose_interval_tops_out_below_the_bar_stops_as_too_slow(monkeypat
     assert result.status == "pruned" and result.interval[1] < 200 and "clearly slower" in result.reason
 
 
+def test_a_run_at_half_the_bar_stops_after_two_timed_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=201.0)
+    assert meter.pruned and len(meter.durations()) == 2  # its fastest step, 100/s, is under half of 201/s
+    assert meter.result().status == "pruned"
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=199.0)
+    assert meter.pruned and len(meter.durations()) >= 5  # 100/s is not under half of 199/s: the interval decides
+
+
 # ------------------------------------------------------------------------------------------------ choosing
 
 

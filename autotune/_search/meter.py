@@ -78,6 +78,9 @@ class TrialResult:
 #: Timed steps a trial takes at least before its interval may stop it (below 5, a lucky run of similar steps gives a
 #: narrow interval that misses: optional stopping).
 MIN_TIMED = 5
+#: A run whose fastest of its first timed steps (at least 2) is below this share of the early-stop bar stops at once:
+#: twice slower than the contenders is clear without an interval.
+CLEAR_SHARE = 0.5
 #: Warm-up ends when a step's time is within this share of the step before it.
 STABLE_WITHIN = 0.10
 #: Warm-up steps a trial may add to its minimum while the step time has not settled (no more than its timed steps).
@@ -201,6 +204,9 @@ def make_meter(**kwargs: Any) -> Any:
             durations = self.durations()
             if len(durations) >= self.spec.steps:
                 return _ENOUGH
+            fastest = self.samples_per_step() / min(durations)
+            if self.spec.stop_below and len(durations) >= 2 and fastest < CLEAR_SHARE * self.spec.stop_below:
+                return _TOO_SLOW  # even its fastest step is half the contenders' pace
             if len(durations) < MIN_TIMED:
                 return _GO_ON
             if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
