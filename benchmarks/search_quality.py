@@ -121,14 +121,14 @@ class AutoMicro:
             print(f"estimator failed on {plan.describe()}: {type(err).__name__}: {err}", file=sys.stderr)
             return None
 
-    def measure_baseline(self, target: str, budget_bytes: int, batch_size: int) -> None:
-        """As the search starts on CPU: one short run of the default plan at the largest micro-batch predicted to fit
-        (with this process's resident set as the baseline) gives the baseline (its peak less its estimate)."""
+    def measure_baseline(self, target: str) -> None:
+        """As the search starts on CPU: one short run at micro-batch 1 gives the baseline (its peak less its
+        estimate)."""
         if self.device == "cuda":
             return
         from autotune import Plan, measure_plan
 
-        plan = Plan(micro_batch_size=self._largest(Plan(), budget_bytes - self.baseline, batch_size))
+        plan = Plan(micro_batch_size=1)
         result = measure_plan(target=target, plan=plan, device=self.device, steps=1, warmup=1)
         if result.status == "ok" and result.peak_bytes:
             self.calibrate(plan, result.peak_bytes)
@@ -242,7 +242,7 @@ def exhaustive(table: Table, target: str, space: Any, budget: str, budget_bytes:
     from autotune import load_target
 
     auto = AutoMicro(load_target(target), device)
-    auto.measure_baseline(target, budget_bytes, batch_size)
+    auto.measure_baseline(target)
     names: list[str] = []
     choices: dict[str, int] = {}
     start = time.perf_counter()

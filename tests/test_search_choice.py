@@ -236,6 +236,9 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
     assert estimator.baseline_for(Plan(micro_batch_size=32)) == 100  # the shape's own: the workers do not matter
     assert estimator.baseline_for(Plan(micro_batch_size=4, activation_checkpointing=1.0)) == 120
     assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 100  # not measured: the first measured
+    # a plan is rejected unmeasured on its least peak: the first measured baseline where its shape's is larger
+    assert estimator.peak(Plan(micro_batch_size=8, activation_checkpointing=1.0)) == 124
+    assert estimator.least_peak(Plan(micro_batch_size=8, activation_checkpointing=1.0)) == 104
 
 
 @pytest.mark.parametrize("batch_size", [1, 7, 32, 100])

@@ -156,8 +156,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         from autotune._search.rank import SearchEstimator
 
         estimator = SearchEstimator(target, resolved)
-        estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None,
-                                  budget_bytes=budget_bytes)
+        estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
         baseline = estimator.baseline
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
                            micro_batch_size=micro, world_size=world, baseline_bytes=baseline)

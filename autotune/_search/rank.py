@@ -171,17 +171,19 @@ class SearchEstimator:
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
-    def measure_baseline(self, *, target: str, config: str | None, budget_bytes: int, timeout: float = 600.0) -> None:
+    def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
-        ``target`` (two steps of the default plan at the largest micro-batch predicted to fit ``budget_bytes`` with
-        this process's resident set as the baseline: few passes, so it is quick), its peak resident set less its
-        estimate. Nothing on CUDA."""
+        ``target`` at micro-batch 1 (two steps), its peak resident set less its estimate. Nothing on CUDA.
+
+        Micro-batch 1, although it takes a pass per sample: its blocks are small, so the resident set is the process
+        and its tensors. At a middling micro-batch glibc serves blocks under its mmap threshold (up to 32 MiB) from
+        its heap and keeps them resident after they are freed: a baseline measured there (123 MiB more on the test
+        suite's hungry target at micro-batch 13) would shrink every plan's predicted room."""
         if self.device.type == "cuda":
             return
         from autotune._search.trial import TrialSpec, run_trial
 
-        size = self.target.batch_size()
-        plan = Plan(micro_batch_size=self.largest_micro(Plan(), budget_bytes, size))
+        plan = Plan(micro_batch_size=1)
         result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None, device="cpu",
                                      steps=1, warmup=1), timeout=timeout)
         if result.status == "ok" and result.peak_bytes:
@@ -245,6 +247,13 @@ class SearchEstimator:
         """The predicted peak in the search's measure (tensors plus, on CPU, the process baseline)."""
         tensors = self.tensors(plan)
         return None if tensors is None else tensors + self.baseline_for(plan)
+
+    def least_peak(self, plan: Plan) -> int | None:
+        """The smallest peak ``plan`` may have: its tensors over the smaller of its shape's baseline and the first
+        measured. What rejects a plan unmeasured: a shape's baseline measured at one micro-batch may hold a heap
+        glibc kept there (on the test suite's hungry target, 300 MiB more at micro-batch 22 than at 32)."""
+        tensors = self.tensors(plan)
+        return None if tensors is None else tensors + min(self.baseline, self.baseline_for(plan))
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit, evened out (:func:`even_micro_batches`); 1 when none is, the

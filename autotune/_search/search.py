@@ -244,8 +244,7 @@ class _Objective:
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's resident set, measure what a trial holds besides the
         tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
-        self.estimator.measure_baseline(target=self.target, config=self.config, budget_bytes=self.budget_bytes,
-                                        timeout=self.trial_timeout)
+        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
         """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
@@ -295,9 +294,10 @@ class _Objective:
         predicted = self._predict(plan)
         if predicted is not None:
             trial.set_user_attr("predicted_peak_bytes", predicted)
-            if predicted > ESTIMATE_REJECT_FACTOR * self.budget_bytes:
-                result = TrialResult("oom", peak_bytes=predicted,
-                                     reason=f"estimated peak {format_bytes(predicted)} is far over the budget")
+            least = self.estimator.least_peak(plan)
+            if least is not None and least > ESTIMATE_REJECT_FACTOR * self.budget_bytes:
+                result = TrialResult("oom", peak_bytes=least,
+                                     reason=f"estimated peak {format_bytes(least)} is far over the budget")
                 return self._record(trial, result, source="estimate")
         spec = self._spec(plan, stop_below=self._stop_below(trial.study))
         launched = time.perf_counter()
