@@ -34,6 +34,9 @@ log = logging.getLogger("autotune")
 #: A plan predicted over the budget by less than this share of the room for its tensors (the budget less the process
 #: baseline) is still tried: measuring settles what the estimate cannot.
 FIT_SLACK = 0.02
+#: On CPU, or by this share of the process baseline, which scatters about that much between runs (the GPT example's
+#: baseline run: 319.4-320.6 MiB), when that is more.
+BASELINE_SLACK = 0.01
 #: The plan fields the cost model knows.
 MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
             "optimizer_state")
@@ -87,7 +90,7 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     ``FIT_SLACK``), cheapest predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way), ranked at
     the micro-batch it resolves to. Estimates are made in cost order and stop once ``limit`` candidates fit. A point
     the estimator cannot tell about counts as fitting. ``tensor_room``: the budget less the process baseline (None:
-    the whole budget), of which ``FIT_SLACK`` is the slack. The peak grows with the micro-batch: a point whose
+    the whole budget), of which ``FIT_SLACK`` is the slack (or ``BASELINE_SLACK`` of the baseline, if more). The peak grows with the micro-batch: a point whose
     shape (its plan without the micro-batch) fits at a larger micro-batch fits without an estimate of its own (larger
     micro-batches cost less: they come first)."""
     names = modelled_dimensions(space, device_type)
@@ -105,7 +108,7 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     chosen: list[dict[str, Any]] = []
     seen: set[str] = set()
     resolved: set[int] = set()
-    limit_bytes = budget_bytes + FIT_SLACK * tensor_room
+    limit_bytes = budget_bytes + max(FIT_SLACK * tensor_room, BASELINE_SLACK * (budget_bytes - tensor_room))
     fits_up_to: dict[str, int] = {}  # by shape: the largest micro-batch predicted to fit
 
     def fits(plan: Plan) -> bool:
