@@ -28,8 +28,9 @@ MEASURE = {"steps": 8, "warmup": 1, "interval": 0.05}  # 8 timed steps at most p
 def budget_bytes() -> int:
     """A budget where 16 MiB of ballast fits and 32 MiB does not: half-way between the largest peak of the plans
     that keep 16 MiB (micro-batch 16 with nothing recomputed, 32 with every block recomputed) and the peak of
-    micro-batch 32 with nothing recomputed, measured here after one run to warm the fork server. The process's floor, and how much of the ballast shows in its resident set, differ
-    between machines (here 28 MiB between 4 and 32 MiB of ballast, 17 MiB on a CI machine)."""
+    micro-batch 32 with nothing recomputed, measured here after one run to warm the fork server. The process's
+    floor, and how much of the ballast shows in its resident set, differ between machines (here 28 MiB between 4 and
+    32 MiB of ballast, 17 MiB on a CI machine)."""
     from autotune import Plan, measure_plan
 
     def peak(precision: str, micro: int, checkpointing: float) -> int:

@@ -251,25 +251,20 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("kink", [0, 5])
 def test_auto_finds_the_largest_even_micro_batch_that_fits_with_few_traces(batch_size: int, per_sample: int,
                                                                            kink: int) -> None:
-    from autotune._search.rank import _largest_even_fit, even_micro_batches
+    from autotune._estimate.trace import largest_fitting
+    from autotune._search.rank import even_micro_batches
 
-    class Traces:  # a peak of 100 "bytes" plus per_sample per sample, and kink more per sample past 20 samples
-        size = batch_size
+    traced: list[int] = []
 
-        def __init__(self) -> None:
-            self.traced: list[int] = []
-
-        def at(self, micro: int) -> Any:
-            if micro not in self.traced:
-                self.traced.append(micro)
-            return SimpleNamespace(predicted_peak_bytes=100 + per_sample * micro + kink * max(0, micro - 20))
+    def peak(micro: int) -> int:  # 100 "bytes" plus per_sample per sample, and kink more per sample past 20 samples
+        traced.append(micro)
+        return 100 + per_sample * micro + kink * max(0, micro - 20)
 
     room = 400
-    traces = Traces()
-    fits = [m for m in range(1, batch_size + 1) if traces.at(m).predicted_peak_bytes <= room]
+    fits = [m for m in range(1, batch_size + 1) if peak(m) <= room]
     expected = -(-batch_size // -(-batch_size // max(fits))) if fits else None  # the largest, evened out
-    traces.traced.clear()
-    assert _largest_even_fit(traces, room) == expected
-    assert set(traces.traced) <= set(even_micro_batches(batch_size))
+    traced.clear()
+    assert largest_fitting(even_micro_batches(batch_size), peak, room) == expected
+    assert set(traced) <= set(even_micro_batches(batch_size)) and len(set(traced)) == len(traced)  # each once
     # a line: the whole batch, one sample, the guess on the line and its neighbour; a kinked line: a few more
-    assert len(traces.traced) <= (4 if kink == 0 else 7), traces.traced
+    assert len(traced) <= (4 if kink == 0 else 7), traced

@@ -28,7 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -179,23 +179,45 @@ class Traces:
             self._done[micro] = _trace(self, micro)
         return self._done[micro].over(world, self.plan)
 
-    def largest_fit(self, budget_bytes: int, world_size: int | None = None) -> int | None:
-        """The largest m in 1..size whose peak fits, for a peak that grows with m."""
-        peak: Callable[[int], int] = lambda m: self.at(m, world_size).predicted_peak_bytes  # noqa: E731
-        if peak(self.size) <= budget_bytes:  # first: where the whole batch fits, one trace answers
-            return self.size
-        if peak(1) > budget_bytes:
-            return None
-        lo, hi = 1, self.size  # lo fits, hi does not
-        bisect = False
-        while hi - lo > 1:
-            width = hi - lo
-            slope = (peak(hi) - peak(lo)) / width
-            guess = (lo + hi) // 2 if bisect or slope <= 0 else lo + int((budget_bytes - peak(lo)) / slope)
-            guess = min(max(guess, lo + 1), hi - 1)
-            lo, hi = (guess, hi) if peak(guess) <= budget_bytes else (lo, guess)
-            bisect = not bisect and hi - lo > width // 2
-        return lo
+    def largest_fit(self, budget_bytes: int, world_size: int | None = None,
+                    sizes: Sequence[int] | None = None) -> int | None:
+        """The largest m of ``sizes`` (default 1..size, ascending) whose peak fits, for a peak that grows with m
+        (:func:`largest_fitting`)."""
+        return largest_fitting(sizes or range(1, self.size + 1),
+                               lambda m: self.at(m, world_size).predicted_peak_bytes, budget_bytes)
+
+
+def largest_fitting(sizes: Sequence[int], peak: Callable[[int], int], budget_bytes: int) -> int | None:
+    """The largest of ``sizes`` (ascending) whose ``peak`` fits ``budget_bytes``, or None, for a peak that grows with
+    the size; each size's peak is asked for once at most. The largest size first, then the smallest; then a guess on
+    the line through the two nearest sizes asked and its neighbour (where the peak is a line, these two settle it),
+    alternating with halving where they did not halve the interval."""
+    known: dict[int, int] = {}
+
+    def at(i: int) -> int:
+        if i not in known:
+            known[i] = peak(sizes[i])
+        return known[i]
+
+    lo, hi = 0, len(sizes) - 1  # indices: lo fits, hi does not
+    if at(hi) <= budget_bytes:
+        return sizes[hi]
+    if at(lo) > budget_bytes:
+        return None
+    bisect = False
+    while hi - lo > 1:
+        width = hi - lo
+        slope = (at(hi) - at(lo)) / (sizes[hi] - sizes[lo])
+        if bisect or slope <= 0:
+            guess = (lo + hi) // 2
+        else:  # the largest size at or below the line's crossing of the budget
+            crossing = sizes[lo] + (budget_bytes - at(lo)) / slope
+            guess = max((i for i in range(lo + 1, hi) if sizes[i] <= crossing), default=lo + 1)
+        lo, hi, beside = (guess, hi, guess + 1) if at(guess) <= budget_bytes else (lo, guess, guess - 1)
+        if not bisect and lo < beside < hi:
+            lo, hi = (beside, hi) if at(beside) <= budget_bytes else (lo, beside)
+        bisect = not bisect and hi - lo > width // 2
+    return sizes[lo]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ log = logging.getLogger("autotune")
 #: A plan predicted over the budget by less than this share of the room for its tensors (the budget less the process
 #: baseline) is still tried: measuring settles what the estimate cannot.
 FIT_SLACK = 0.02
-#: On CPU, or by this share of the process baseline, which scatters about that much between runs (the GPT example's
-#: baseline run: 319.4-320.6 MiB), when that is more.
+#: Or, where it is more (on CPU), by this share of the process baseline, which scatters about that much between runs
+#: (the GPT example's baseline run: 319.4-320.6 MiB).
 BASELINE_SLACK = 0.01
 #: The plan fields the cost model knows.
 MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
@@ -90,9 +90,9 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     ``FIT_SLACK``), cheapest predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way), ranked at
     the micro-batch it resolves to. Estimates are made in cost order and stop once ``limit`` candidates fit. A point
     the estimator cannot tell about counts as fitting. ``tensor_room``: the budget less the process baseline (None:
-    the whole budget), of which ``FIT_SLACK`` is the slack (or ``BASELINE_SLACK`` of the baseline, if more). The peak grows with the micro-batch: a point whose
-    shape (its plan without the micro-batch) fits at a larger micro-batch fits without an estimate of its own (larger
-    micro-batches cost less: they come first)."""
+    the whole budget), of which ``FIT_SLACK`` is the slack (or ``BASELINE_SLACK`` of the baseline, if more). The peak
+    grows with the micro-batch: a point whose shape (its plan without the micro-batch) fits at a larger micro-batch
+    fits without an estimate of its own (larger micro-batches cost less: they come first)."""
     names = modelled_dimensions(space, device_type)
     if not names or limit <= 0:
         return []
@@ -118,9 +118,10 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
         predicted = peak(plan)
         if predicted is None:  # the estimator cannot tell: tried
             return True
-        if predicted <= limit_bytes:
+        fit = predicted <= limit_bytes
+        if fit:
             fits_up_to[shape] = max(fits_up_to.get(shape, 0), micro)
-        return predicted <= limit_bytes
+        return fit
 
     while queue and len(chosen) < limit:
         cost, index, plan, params = heapq.heappop(queue)
@@ -264,7 +265,7 @@ class SearchEstimator:
         room = budget_bytes - self.baseline_for(plan)
         if room <= 0:
             return 1
-        micro = self._call(lambda traces: _largest_even_fit(traces, room), plan)
+        micro = self._call(lambda traces: traces.largest_fit(room, sizes=even_micro_batches(traces.size)), plan)
         if micro is _FAILED:
             return batch_size
         return 1 if micro is None else int(micro)
@@ -280,34 +281,6 @@ def even_micro_batches(batch_size: int) -> list[int]:
         [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 32]
     """
     return sorted({-(-batch_size // passes) for passes in range(1, batch_size + 1)})
-
-
-def _largest_even_fit(traces: Any, room: int) -> int | None:
-    """The largest of :func:`even_micro_batches` whose traced peak fits ``room`` (the peak grows with the
-    micro-batch), or None. The whole batch first, then one sample; then a guess on the line through the two nearest
-    traced sizes and its neighbour (where the peak is a line, these two settle it), alternating with halving where
-    they did not halve the interval."""
-    sizes = even_micro_batches(traces.size)
-    peak: Callable[[int], int] = lambda i: traces.at(sizes[i]).predicted_peak_bytes  # noqa: E731
-    lo, hi = 0, len(sizes) - 1  # indices: lo fits, hi does not
-    if peak(hi) <= room:
-        return sizes[hi]
-    if peak(lo) > room:
-        return None
-    bisect = False
-    while hi - lo > 1:
-        width = hi - lo
-        slope = (peak(hi) - peak(lo)) / (sizes[hi] - sizes[lo])
-        if bisect or slope <= 0:
-            guess = (lo + hi) // 2
-        else:  # the largest size at or below the line's crossing of the room
-            crossing = sizes[lo] + (room - peak(lo)) / slope
-            guess = max((i for i in range(lo + 1, hi) if sizes[i] <= crossing), default=lo + 1)
-        lo, hi, beside = (guess, hi, guess + 1) if peak(guess) <= room else (lo, guess, guess - 1)
-        if not bisect and lo < beside < hi:
-            lo, hi = (beside, hi) if peak(beside) <= room else (lo, beside)
-        bisect = not bisect and hi - lo > width // 2
-    return sizes[lo]
 
 
 def _shape(plan: Plan) -> Plan:
