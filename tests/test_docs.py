@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +52,27 @@ def test_doc_commands_run(doc: Path, tmp_path: Path) -> None:
                 continue  # needs a server; .ci/run starts one
             command = re.sub(r"postgresql://\S+", POSTGRES, command).replace("--study gpt-2gib",
                                                                               f"--study docs-{os.getpid()}")
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, f"{doc.name}: `{command}` failed:\n{done.stderr[-3000:]}"
+        code, err = _run(command, cwd=tmp_path, env=env)
+        if code is None:  # hung: once again, see _run
+            code, err = _run(command, cwd=tmp_path, env=env)
+        assert code == 0, f"{doc.name}: `{command}` failed:\n{err[-3000:]}"
+
+
+def _run(command: str, *, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[int | None, str]:
+    """Run a shell command in a session of its own; past ``timeout`` kill the whole session (the shell's children
+    too: killing the shell alone leaves them holding its pipes) and return ``(None, stderr)``. A command that hangs
+    is run once more by the caller: before Python 3.12 a dataloader worker forked from a DDP rank can hang for good
+    at its start when a gloo thread of the rank held the interpreter's thread-list lock at that moment (CPython
+    gh-112275; seen once here, in the DDP example's tuned run with 2 workers, in about twenty full runs)."""
+    proc = subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return None, f"timed out after {timeout:.0f} s\n{err}"
 
 
 def test_the_readme_starts_with_the_two_commands() -> None:

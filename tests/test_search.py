@@ -299,8 +299,9 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
     study = optuna.create_study(study_name="r", storage=storage, direction="maximize")
     study.set_user_attr("budget_bytes", 2**30)
     study.set_user_attr("budget", "1GiB")
-    for i, (sps, peak, status) in enumerate([(10.0, 2**29, "ok"), (20.0, 2**31, "oom"), (15.0, 3 * 2**28, "ok"),
-                                             (12.0, 2**28, "ok")]):
+    rows = [(4, 10.0, 2**29, "ok"), (32, 20.0, 2**31, "oom"), (16, 15.0, 3 * 2**28, "ok"), (8, 12.0, 2**28, "ok")]
+    for micro, sps, peak, status in rows:  # set, not sampled: four equal draws would leave nothing to rank
+        study.enqueue_trial({"micro_batch_size": micro})
         trial = study.ask({"micro_batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16, 32])})
         trial.set_user_attr("plan", f"32-true, micro {trial.params['micro_batch_size']}")
         trial.set_user_attr("samples_per_second", sps)
@@ -382,8 +383,8 @@ def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
     optuna.logging.set_verbosity(optuna.logging.DEBUG)
     try:
         # every plan is over a tiny budget; the level comes back anyway
-        with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 600MiB"):
-            search(target=f"{FIXTURE}:make_huge", budget="600MiB", space="cpu", trials=1,
+        with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 100MiB"):
+            search(target=f"{FIXTURE}:make", budget="100MiB", space="cpu", trials=1,
                    storage=f"sqlite:///{tmp_path}/s.db", out=None, seed=0, **FAST)
         assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
     finally:
