@@ -5,8 +5,6 @@ tensors at the step's start plus the profiler's allocator events during it)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import pytest
 
 from autotune import estimate
 from tests.fsdp_peak_run import CASES, make_model, plan_of, rank_batch
+from tests.ranks import run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp_peak_run.py")
 TOLERANCE = 0.10
@@ -23,8 +22,7 @@ TOLERANCE = 0.10
 def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's measurements, one entry per case (both cases run in the same 2 processes)."""
     out = tmp_path_factory.mktemp("fsdp_peak")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)  # a hang fails here
+    proc = run_ranks([str(SCRIPT), "--out", str(out)], timeout=120)  # a hang fails here
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -16,6 +16,7 @@ from autotune import Plan
 from autotune._runtime.shard import sharding_units
 from autotune.callbacks import ApplyPlan
 from tests.callbacks.toy import ToyModel, trainer
+from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("fsdp_run.py")
@@ -23,8 +24,7 @@ SCRIPT = Path(__file__).with_name("fsdp_run.py")
 
 def run_gpt(tmp: Path, mode: str, *args: str) -> list[dict]:
     tmp.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp), "--mode", mode, "--gpt", *args],
-                          capture_output=True, text=True, timeout=240)  # a hang fails here
+    proc = run_ranks([str(SCRIPT), "--out", str(tmp), "--mode", mode, "--gpt", *args], timeout=240)  # a hang fails
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 

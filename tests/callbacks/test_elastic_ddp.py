@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.ranks import run_ranks
 
 SCRIPT = Path(__file__).with_name("ddp_run.py")
 
 
 def run(tmp: Path, *args: str) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp), *args], capture_output=True, text=True, timeout=240
-    )
+    proc = run_ranks([str(SCRIPT), "--out", str(tmp), *args], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
@@ -51,9 +49,8 @@ def test_a_half_applied_steady_state_update_on_one_rank_ends_every_rank_without_
                                                                                         rank: int) -> None:
     # Step 1's update is no longer protected (AdamW's state exists) and runs out of memory half-way on one rank;
     # there is no vote after a steady-state update, so that rank ends the run and the launcher ends the other.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--mode", "elastic", "--where", "step",
-                           "--rank", str(rank), "--at-step", "1", "--micro", "32"],
-                          capture_output=True, text=True, timeout=120)  # a hang fails here
+    proc = run_ranks([str(SCRIPT), "--out", str(tmp_path), "--mode", "elastic", "--where", "step", "--rank", str(rank),
+                      "--at-step", "1", "--micro", "32"], timeout=120)  # a hang fails here
     assert proc.returncode != 0
     assert ("Out of memory inside the optimizer update (of this rank; the other ranks stop with it) after it had "
             "changed parameters or optimizer state") in proc.stderr

@@ -1,11 +1,10 @@
 """FSDP2 (ModelParallelStrategy, data parallel) with 2 CPU ranks (gloo): ElasticBatchSize's micro-batches against
 Lightning's own accumulation under the same sharding, and OOMs on one rank drained, voted and replayed (each run under
-a hard timeout: a hang fails)."""
+a hard timeout: a hang fails). The ranks start as torchrun starts them (tests/ranks.py)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,14 +15,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from autotune.callbacks import ElasticBatchSize
 from tests.callbacks.toy import ToyModel, trainer
+from tests.ranks import run_ranks
 
 SCRIPT = Path(__file__).with_name("fsdp_run.py")
 
 
 def run(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     tmp.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp), *args], capture_output=True, text=True,
-                          timeout=180)  # a hang fails here
+    return run_ranks([str(SCRIPT), "--out", str(tmp), *args], timeout=180)  # a hang fails here
 
 
 def results(tmp: Path, proc: subprocess.CompletedProcess[str]) -> list[dict]:
