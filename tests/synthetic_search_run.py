@@ -58,7 +58,8 @@ def searches(seeds: int) -> dict:
         result = search(target=TARGET, budget=budget, space=str(space), trials=TRIALS, seed=seed,
                         storage=f"sqlite:///{folder}/s{seed}.db", study="synthetic", out=None, device="cpu", **MEASURE)
         trials = [{"number": t.number, "params": t.params, "state": t.state.name, **{
-                   k: t.user_attrs.get(k) for k in ("status", "source", "samples_per_second", "peak_bytes")}}
+                   k: t.user_attrs.get(k) for k in ("status", "source", "samples_per_second", "peak_bytes",
+                                                    "predicted_peak_bytes")}}
                   for t in result.study.get_trials()]
         return {"seed": seed, "chosen": dict(result.study.trials[result.trial_number].params),
                 "figure": result.figure.as_attrs() if result.figure else None, "trials": trials,

@@ -402,9 +402,10 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
     command = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_fixed_cost", "--budget", "2GiB",
                "--space", space, "--trials", "2", "--warmup", "1", "--storage", storage, "--study", "s",
                "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
-    # a slow trial (40 steps of 4 micro-batches of 8, 0.1 s each): Ctrl-C reaches it while it runs
-    proc = subprocess.Popen([*command, "--steps", "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=tmp_path)
+    # a slow trial (40 steps of 0.1 s per micro-batch; timed to the cap: its steady steps would reach +-3% in 5 and
+    # the search could end before Ctrl-C): Ctrl-C reaches it while it runs
+    proc = subprocess.Popen([*command, "--steps", "40", "--interval", "0.0001"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
