@@ -402,13 +402,16 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
     command = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_fixed_cost", "--budget", "2GiB",
                "--space", space, "--trials", "2", "--warmup", "1", "--storage", storage, "--study", "s",
                "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
-    # a slow trial (40 steps of 0.1 s per micro-batch; timed to the cap: its steady steps would reach +-3% in 5 and
-    # the search could end before Ctrl-C): Ctrl-C reaches it while it runs
-    # SIGINT as a terminal's foreground process has it: a shell without job control starts a background pytest with
-    # SIGINT ignored, and every child would inherit that
-    proc = subprocess.Popen([*command, "--steps", "40", "--interval", "0.0001"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # A slow trial, so that Ctrl-C reaches it while it runs: 40 steps of 0.1 s per micro-batch, timed to the cap (its
+    # steady steps would reach +-3% in 5 and the search could end first). SIGINT at its default, as a terminal's
+    # foreground process has it: a pytest started in the background by a shell without job control ignores it, and an
+    # ignored signal stays ignored across exec (a handled one is at its default there).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*command, "--steps", "40", "--interval", "0.0001"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

@@ -204,8 +204,8 @@ def make_meter(**kwargs: Any) -> Any:
             durations = self.durations()
             if len(durations) >= self.spec.steps:
                 return _ENOUGH
-            fastest = self.samples_per_step() / min(durations)
-            if self.spec.stop_below and len(durations) >= 2 and fastest < CLEAR_SHARE * self.spec.stop_below:
+            if self.spec.stop_below and len(durations) >= 2 and \
+                    self.samples_per_step() / min(durations) < CLEAR_SHARE * self.spec.stop_below:
                 return _TOO_SLOW  # even its fastest step is half the contenders' pace
             if len(durations) < MIN_TIMED:
                 return _GO_ON

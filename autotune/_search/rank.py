@@ -112,7 +112,7 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     fits_up_to: dict[str, int] = {}  # by shape: the largest micro-batch predicted to fit
 
     def fits(plan: Plan) -> bool:
-        shape, micro = plan.replace(micro_batch_size=None).key(), plan.micro_batch_size or batch_size
+        shape, micro = _shape(plan).key(), plan.micro_batch_size or batch_size
         if micro <= fits_up_to.get(shape, 0):
             return True
         predicted = peak(plan)
