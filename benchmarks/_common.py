@@ -215,8 +215,26 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout: float = 900.0)
         return json.loads(out.read_text())
 
 
-def current_rss_bytes() -> int:
-    """This process's resident set size in bytes (psutil)."""
+def _status(*keys: str) -> list[int] | None:
+    """Fields of Linux's ``/proc/self/status`` in bytes, in the order asked; None elsewhere."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return None
+    return [found[k] for k in keys] if len(found) == len(keys) else None
+
+
+def current_host_bytes() -> int:
+    """This process's memory in a CPU budget's measure (docs/elastic.md): the resident set net of file-backed pages,
+    Linux ``RssAnon + RssShmem``; psutil's RSS elsewhere."""
+    fields = _status("RssAnon", "RssShmem")
+    if fields is not None:
+        return sum(fields)
     import psutil
 
     return int(psutil.Process().memory_info().rss)
@@ -224,14 +242,17 @@ def current_rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes: Linux's ``VmHWM``, else ``getrusage``'s ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    fields = _status("VmHWM")
+    if fields is not None:
+        return fields[0]
     import resource
 
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def peak_host_bytes() -> int:
+    """This process's peak in a CPU budget's measure: Linux ``VmHWM - RssFile`` (the peak resident set less the
+    file-backed pages resident now); the peak resident set elsewhere."""
+    fields = _status("VmHWM", "RssFile")
+    return fields[0] - fields[1] if fields is not None else peak_rss_bytes()

@@ -19,7 +19,7 @@ figure is >= 95% of the best, and the wall time over the exhaustive pass's (goal
 are not charged to it). Also: the search's own time per trial in its process (sampler, estimator, storage; the
 trial's process apart; goal <= 0.2 s) and how many re-measurements it made before choosing.
 
-On CPU the budget is the trial process's peak resident set (docs/elastic.md#budget) and a concrete plan's measurement
+On CPU the budget is the trial process's peak resident set net of file-backed pages (docs/elastic.md#budget) and a concrete plan's measurement
 does not depend on it, so the exhaustive pass and the oracle carry over from one budget to the next (only plans new
 to a budget, ``auto`` resolving differently, are measured). CPU trials run with one intra-op thread
 (``--threads``). Studies live in temporary SQLite files. Results go to stdout (and ``--json PATH``) only.
@@ -53,7 +53,7 @@ from _common import (  # noqa: E402
     add_device,
     add_json,
     add_threads,
-    current_rss_bytes,
+    current_host_bytes,
     load_average,
     machine,
     machine_line,
@@ -100,7 +100,7 @@ class AutoMicro:
 
     def __init__(self, target: Any, device: str) -> None:
         self.target, self.device = target, device
-        self.baseline = current_rss_bytes() if device != "cuda" else 0
+        self.baseline = current_host_bytes() if device != "cuda" else 0
         self.calibrated = device == "cuda"  # on CPU, until a measured plan gives the baseline
         self._batch: Any = None
         self._choices: dict[str, int] = {}

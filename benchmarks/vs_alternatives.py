@@ -8,7 +8,7 @@ For each model, with the model's effective batch ``B`` (its dataloader's batch s
   math), so we report the batch it chose, the peak of its own search, and the throughput and peak of training at
   that batch; its samples/s are not comparable with the others (a different effective batch).
 - **halving**: the ``find_executable_batch_size`` recipe with the effective batch kept: start with micro-batch
-  ``B``, halve it on "OOM" until a run fits. On CPU an "OOM" is a measured peak RSS over the budget (what the
+  ``B``, halve it on "OOM" until a run fits. On CPU an "OOM" is a measured peak over the budget (what the
   soft CPU budget of ``ElasticBatchSize`` reacts to); on CUDA it is a real OOM under the hard cap.
 - **autotune**: the plan of a short ``autotune.search`` (``--trials`` trials: 6 with ``--quick``, as in the README,
   else 12; the device's shipped space; sampler seed 0; trials measured as the search does by default).
@@ -18,9 +18,9 @@ fresh process, end-to-end samples/s after warm-up, the process's peak memory) in
 ``--quick``, else 5; the BatchSizeFinder's batch 1 or 3 times, as its samples/s compare with nothing), medians
 reported; "vs halving" is a candidate's median samples/s over the halving one's. "Budget use" is the chosen
 setup's peak over the budget (goal 0.85-1.00 where the budget binds). On CPU the peak is the whole process's
-resident set (Python, torch, Lightning: about 280 MiB before the first step), so the table also shows the use of
-the budget above that floor ("above floor": (peak - floor) / (budget - floor), the floor being a trial process's
-RSS after building the model and data).
+memory in a CPU budget's measure, its resident set net of file-backed pages (Python, torch, Lightning: well over
+100 MiB before the first step), so the table also shows the use of the budget above that floor ("above floor":
+(peak - floor) / (budget - floor), the floor being a trial process's memory after building the model and data).
 
 Models: the GPT example (``examples/gpt/train.py:make``) and the test suite's memory-hungry target
 (``tests/fixtures/search_target.py:make``, about 1 MiB of activations per sample and block). Budget: halfway
@@ -56,14 +56,14 @@ from _common import (  # noqa: E402
     add_device,
     add_json,
     add_threads,
-    current_rss_bytes,
+    current_host_bytes,
     in_fresh_process,
     load_average,
     machine,
     machine_line,
     make_parser,
     markdown_table,
-    peak_rss_bytes,
+    peak_host_bytes,
     quiet,
     threads_for,
     write_json,
@@ -88,13 +88,13 @@ class Case:
 
 
 def floor_worker(target: str) -> dict[str, Any]:
-    """The process's resident set after building the model and data, before any training."""
+    """The process's memory (a CPU budget's measure) after building the model and data, before any training."""
     from autotune import load_target
 
     tgt = load_target(target)
     if tgt.datamodule is not None:
         tgt.datamodule.setup("fit")
-    return {"floor_bytes": current_rss_bytes(), "batch_size": tgt.batch_size()}
+    return {"floor_bytes": current_host_bytes(), "batch_size": tgt.batch_size()}
 
 
 def batch_size_finder_worker(target: str, device: str) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def batch_size_finder_worker(target: str, device: str) -> dict[str, Any]:
 
         peak = torch.cuda.max_memory_reserved()
     else:
-        peak = peak_rss_bytes()  # the lifetime peak of this process: the scaling search included
+        peak = peak_host_bytes()  # the lifetime peak of this process: the scaling search included
     return {"batch_size": chosen, "search_peak_bytes": peak, "wall_seconds": wall}
 
 

@@ -19,7 +19,7 @@ from autotune._compat import (
     stop_cuda_memory_history,
 )
 from autotune._device.budget import format_bytes
-from autotune._device.meter import MemoryMeter, current_rss_bytes
+from autotune._device.meter import MemoryMeter, current_rss_bytes, peak_rss_bytes
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune.callbacks.elastic import ElasticBatchSize
 
@@ -43,7 +43,8 @@ class MemoryMonitor(Callback):
       tensors' high-water mark, i.e. memory lost to fragmentation and caching at the peak),
       ``memory/alloc_retries`` (``num_alloc_retries`` since the process started: cudaMalloc failures that forced
       a cache flush; a rising count means the step runs at the edge) and ``memory/host_rss_gib``.
-    - CPU: ``memory/host_rss_gib`` (now) and ``memory/host_peak_rss_gib`` (peak resident set since the reset).
+    - CPU: ``memory/host_rss_gib`` (now), ``memory/host_peak_rss_gib`` (peak resident set since the reset) and
+      ``memory/host_peak_gib`` (that peak net of file-backed pages: what a CPU budget measures).
 
     Out-of-memory errors, whether they end ``fit`` (``on_exception``) or are recovered by an
     :class:`ElasticBatchSize` in the same Trainer (noticed at the end of the batch from its ``events``), are
@@ -192,7 +193,8 @@ class MemoryMonitor(Callback):
             return {}
         rss = current_rss_bytes()  # read before the peak, so the peak (which never drops) is >= it
         if not meter.is_cuda:
-            return {"memory/host_rss_gib": rss / _GIB, "memory/host_peak_rss_gib": meter.peak() / _GIB}
+            return {"memory/host_rss_gib": rss / _GIB, "memory/host_peak_rss_gib": peak_rss_bytes() / _GIB,
+                    "memory/host_peak_gib": meter.peak() / _GIB}
         allocated, reserved = meter.peak_allocated(), meter.peak()
         retries = torch.cuda.memory_stats(meter.device).get("num_alloc_retries", 0)
         return {
@@ -243,7 +245,7 @@ class MemoryMonitor(Callback):
         meter = self._meter
         figures = [f"host RSS {format_bytes(current_rss_bytes())}"]
         if meter is not None:
-            peak = f"peak {'reserved' if meter.is_cuda else 'RSS'}"
+            peak = f"peak {'reserved' if meter.is_cuda else 'RSS net of file pages'}"
             if peak_bytes is not None:
                 peak = f"{peak} in the failed attempt {format_bytes(peak_bytes)}"
             else:

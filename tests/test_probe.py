@@ -48,6 +48,31 @@ def test_cpu_probe_counts_this_process_rss():
     del block
 
 
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs a resettable peak RSS (Linux)")
+def test_cpu_meter_counts_allocations_and_not_mapped_files(tmp_path: Path) -> None:
+    """The CPU budget's measure: 64 MiB of a mapped file raise the resident set, not the meter; 64 MiB of tensor do."""
+    import mmap
+
+    from autotune._device.meter import MemoryMeter, current_host_bytes, peak_host_bytes, peak_rss_bytes
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(64 * MIB))  # in the page cache now, not yet mapped by this process
+    meter = MemoryMeter(torch.device("cpu"))
+    static = meter.start()
+    rss0 = peak_rss_bytes()
+    assert abs(static - current_host_bytes()) < 4 * MIB
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        total = sum(mapped[i] for i in range(0, 64 * MIB, 4096))  # touch every page: resident, file-backed
+        assert peak_rss_bytes() - rss0 > 60 * MIB
+        assert meter.peak() - static < 8 * MIB, total
+    meter.start()
+    static = current_host_bytes()
+    block = torch.ones(64 * MIB // 4)  # anonymous pages, every one written
+    assert meter.peak() - static > 60 * MIB
+    assert meter.peak() <= peak_rss_bytes() and peak_host_bytes() == meter.peak()
+    del block
+
+
 def test_cpu_name_is_the_model_from_cpuinfo():
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []

@@ -72,16 +72,14 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_and_random_search_does
             if t["status"] in ("ok", "pruned"):
                 assert (t["peak_bytes"] <= budget) is _fits(point), (point, t["peak_bytes"], budget)
         found += run["chosen"] == best
-    # The issue asks for 9 of 10. Met standalone and inside the full suite in a virtualenv installed earlier (10 of 10
-    # each), not inside a clean-clone CI run (7 of 10, three runs, no paced step overrun): there torch's libraries were
-    # written by pip just before, and a process maps far more of such freshly cached files (RssFile 157 MiB against
-    # 93 MiB once the page cache was dropped, same files), most of all in checkpointing's recomputation (16 MiB over
-    # its estimate against 3). The budget, half-way to the recomputing plan's inflated peak, then sits 2.6 MiB under
-    # micro-batch 32 without checkpointing, predicted 3 MiB under it: that plan and its precision variation take 2 of
-    # the 3 ranked trials. The fix is the product's (a CPU peak net of file-backed pages: docs/troubleshooting.md).
+    # CPU peaks are measured net of file-backed pages: the resident set also counts the pages of torch's libraries a
+    # process has mapped, which depend on the page cache (in a clean clone's freshly installed venv a process mapped
+    # 157 MiB of them against 93 MiB once the cache was dropped, and recomputation 16 MiB over its estimate), and
+    # the budget then split the plans 2.6 MiB away from a prediction (7 of 10 in CI). Net of them, every prediction
+    # is within 1 MiB of its peak and the budget sits 8 MiB from the nearest plan.
     chosen = [f"{c['precision']} m{c['micro_batch_size']} c{c['activation_checkpointing']}"
               for c in (run["chosen"] for run in result["runs"])]
-    assert found >= 7, (result["pace"], result["budget_bytes"], chosen)
+    assert found >= 9, (result["pace"], result["budget_bytes"], chosen)
     assert _random_search_chance() < 0.45  # random search: 4 of 10 seeds expected, at best (9 or more in 0.2%)
 
 

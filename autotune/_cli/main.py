@@ -152,7 +152,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
                              usable=budget_bytes, most=most)
     baseline = 0
-    if resolved.type == "cpu":  # the budget is the process's resident set: add what a training process holds
+    if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.rank import SearchEstimator
 
         estimator = SearchEstimator(target, resolved)
@@ -249,8 +249,8 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
     if first.baseline_bytes:
         notes[f"the peaks include the process baseline measured here, {format_bytes(first.baseline_bytes)} (a short "
-              "training run's peak resident set less its tensors): on CPU the budget is the process's resident set, "
-              "as for a search's trials"] = None
+              "training run's peak less its tensors): on CPU the budget is the process's resident set net of file "
+              "pages, as for a search's trials"] = None
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 

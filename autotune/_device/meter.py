@@ -1,4 +1,12 @@
-"""What a step used: the peak meter (CUDA allocator or CPU resident set) and the process's resident set size."""
+"""What a step used: the peak meter (CUDA allocator, or the host process's memory) and the process's resident set.
+
+On the host the budget's measure is the process's memory net of file-backed pages: its resident set (RSS) less
+the pages of the files it has mapped (torch's shared libraries above all). Those pages are shared with every other
+process mapping the same files and the kernel drops them under pressure, and how many of them a process has mapped
+depends on the page cache rather than on the plan: the same plan's RSS moved by 40-60 MiB between two installs of the
+same packages (see docs/troubleshooting.md). What is left, anonymous and shared-memory pages, is what the process
+allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in shared memory.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +21,9 @@ class MemoryMeter:
     """Peak memory of one step on one device.
 
     CUDA: the caching allocator's peak reserved bytes (what ``set_per_process_memory_fraction`` caps) and peak
-    allocated bytes, reset at the start of each step. CPU: the process's peak resident set size (Linux ``VmHWM``),
-    reset at the start of each step through ``/proc/self/clear_refs``; where that reset is not possible the peak
-    is the process's lifetime peak RSS, which can only over-report.
+    allocated bytes, reset at the start of each step. CPU: the process's peak memory net of file-backed pages (see
+    :func:`peak_host_bytes`), its peak reset at the start of each step through ``/proc/self/clear_refs``; where that
+    reset is not possible the peak is the process's lifetime peak, which can only over-report.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -34,19 +42,52 @@ class MemoryMeter:
                     f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
             except OSError:
                 self._can_reset_rss = False
-        return current_rss_bytes()
+        return current_host_bytes()
 
     def peak(self) -> int:
-        """Peak bytes since :meth:`start` (CUDA: reserved; CPU: resident set)."""
+        """Peak bytes since :meth:`start` (CUDA: reserved; CPU: the resident set net of file-backed pages)."""
         if self.is_cuda:
             return torch.cuda.max_memory_reserved(self.device)
-        return peak_rss_bytes()
+        return peak_host_bytes()
 
     def peak_allocated(self) -> int:
-        """Peak bytes held by live tensors since :meth:`start` (CUDA); the resident set peak on CPU."""
+        """Peak bytes held by live tensors since :meth:`start` (CUDA); :meth:`peak` on CPU."""
         if self.is_cuda:
             return torch.cuda.max_memory_allocated(self.device)
-        return peak_rss_bytes()
+        return peak_host_bytes()
+
+
+def _status(*keys: str) -> list[int] | None:
+    """The fields of ``/proc/self/status`` named ``keys`` in bytes, in that order; None where one is missing."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    found[key] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return [found[k] for k in keys] if len(found) == len(keys) else None
+
+
+def current_host_bytes() -> int:
+    """This process's memory now, net of file-backed pages: anonymous plus shared-memory resident pages (Linux
+    ``RssAnon + RssShmem``); the resident set size where the kernel does not split it."""
+    fields = _status("RssAnon", "RssShmem")
+    return sum(fields) if fields is not None else current_rss_bytes()
+
+
+def peak_host_bytes() -> int:
+    """This process's peak memory net of file-backed pages, since the peak's last reset: Linux ``VmHWM - RssFile``.
+
+    ``VmHWM`` is the peak resident set, file pages included; the file pages resident now are subtracted. A process
+    maps its libraries' code as it first runs it and keeps it mapped, so after the first steps this is the peak of
+    the anonymous and shared-memory pages; file pages first mapped during the step, after its peak, make it report
+    that much less. The peak resident set size where the kernel does not split it.
+    """
+    fields = _status("VmHWM", "RssFile")
+    return max(0, fields[0] - fields[1]) if fields is not None else peak_rss_bytes()
 
 
 def current_rss_bytes() -> int:
@@ -62,13 +103,9 @@ def current_rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (since the last reset where supported)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    fields = _status("VmHWM")
+    if fields is not None:
+        return fields[0]
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -48,7 +48,7 @@ class TrialResult:
 
     ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
     (``reason`` says why). Peaks are the run's peak memory in the budget's measure (CUDA: allocator reserved bytes
-    plus the CUDA context; CPU: the process's peak resident set), the worst rank's under DDP. ``interval`` is the
+    plus the CUDA context; CPU: the process's peak resident set net of file-backed pages), the worst rank's under DDP. ``interval`` is the
     95% interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded);
     ``warmup_steps`` how many steps ran before timing started (more than asked while the step time was settling).
 
@@ -314,11 +314,11 @@ def _sync(device: Any) -> None:
 
 def _peak_bytes(device: Any) -> int:
     """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
-    the allocator holds now). CPU: the process's peak resident set size."""
-    from autotune._device.meter import peak_rss_bytes
+    the allocator holds now). CPU: the process's peak resident set net of file-backed pages."""
+    from autotune._device.meter import peak_host_bytes
 
     if device.type != "cuda":
-        return peak_rss_bytes()
+        return peak_host_bytes()
     import torch
 
     from autotune._device.probe import process_device_bytes

@@ -152,7 +152,7 @@ _TRACING = threading.Lock()  # the estimator's module hooks are process-wide: on
 class SearchEstimator:
     """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
 
-    The search measures a CPU trial's peak as the process's resident set, the estimator counts tensor bytes: on CPU
+    The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), the estimator counts tensor bytes: on CPU
     the process baseline is added, measured by a short trial before the search (its peak less its estimate). Each
     measured trial then gives its plan's shape (the plan without its micro-batch and dataloader settings) a baseline of
     its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto`` decides): the
@@ -165,10 +165,10 @@ class SearchEstimator:
     """
 
     def __init__(self, target: Any, device: Any) -> None:
-        from autotune._device.meter import current_rss_bytes
+        from autotune._device.meter import current_host_bytes
 
         self.target, self.device = target, device
-        self.baseline = current_rss_bytes() if device.type != "cuda" else 0  # until a trial has measured one
+        self.baseline = current_host_bytes() if device.type != "cuda" else 0  # until a trial has measured one
         self.calibrated = device.type == "cuda"
         self._shape_baselines: dict[str, tuple[int, int]] = {}  # shape: (micro-batch measured, its baseline)
         self._batch: Any = None
@@ -177,7 +177,8 @@ class SearchEstimator:
 
     def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
-        ``target`` at micro-batch 1 (two steps), its peak resident set less its estimate. Nothing on CUDA.
+        ``target`` at micro-batch 1 (two steps), its peak (resident set net of file pages) less its estimate. Nothing
+        on CUDA.
 
         Micro-batch 1, although it takes a pass per sample: its blocks are small, so the resident set is the process
         and its tensors. At a middling micro-batch glibc serves blocks under its mmap threshold (up to 32 MiB) from
@@ -193,8 +194,8 @@ class SearchEstimator:
         if result.status == "ok" and result.peak_bytes:
             self.calibrate(plan, result.peak_bytes)
         else:
-            log.warning("autotune: the process baseline could not be measured (%s); using this process's resident "
-                        "set", result.reason or result.status)
+            log.warning("autotune: the process baseline could not be measured (%s); using this process's memory "
+                        "now", result.reason or result.status)
 
     def tensors(self, plan: Plan) -> int | None:
         """The estimator's peak of ``plan`` (tensor bytes); None when it cannot tell."""

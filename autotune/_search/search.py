@@ -242,7 +242,7 @@ class _Objective:
         self.estimator = SearchEstimator(target_obj, device)
 
     def measure_baseline(self) -> None:
-        """On CPU, where a trial's peak is its process's resident set, measure what a trial holds besides the
+        """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial holds besides the
         tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
         self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
 

@@ -287,9 +287,9 @@ class HungryModel(ToyModel):
 
 
 def test_cpu_soft_budget_shrinks_the_next_step_after_an_overshoot() -> None:
-    from autotune._device.meter import current_rss_bytes
+    from autotune._device.meter import current_host_bytes
 
-    budget = current_rss_bytes() + 400 * 2**20  # room for about 48 samples of scratch, not 64
+    budget = current_host_bytes() + 400 * 2**20  # room for about 48 samples of scratch, not 64
     model = HungryModel()
     cb = ElasticBatchSize(budget=budget, grow=False)
     with pytest.warns(UserWarning, match=r"ElasticBatchSize: the step's peak .* went over the budget \d+ at "

@@ -88,6 +88,8 @@ def test_cpu_figures_are_logged_on_the_steps_the_trainer_writes(
         rss, peak = float(row["memory/host_rss_gib"]), float(row["memory/host_peak_rss_gib"])
         assert rss * GIB > 100 * MB  # torch alone keeps more than this resident
         assert peak >= rss
+        net = float(row["memory/host_peak_gib"])  # the CPU budget's measure: the peak less file-backed pages
+        assert 0 < net < peak
     header = rows[0].keys()
     assert not any(key in header for key in CUDA_KEYS)  # CUDA-only figures are skipped on CPU
     assert monitor.dump_snapshot("manual") is None  # no snapshot on CPU
