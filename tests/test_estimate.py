@@ -223,6 +223,18 @@ def test_breakdown_adds_up_to_the_peak(gpt, gpt_estimates):
         assert e.fits(e.predicted_peak_bytes) and not e.fits(e.predicted_peak_bytes - 1)
 
 
+@pytest.mark.parametrize("plan", [Plan(), Plan(precision="bf16-mixed", activation_checkpointing=0.5),
+                                  Plan(strategy="fsdp", devices=2)], ids=["fp32", "bf16-ckpt", "fsdp"])
+def test_micro_batches_traced_one_after_another_match_fresh_traces(gpt, plan):
+    """The warm-up step runs once per plan; each later micro-batch starts from the state the step before left."""
+    model, batch = gpt
+    shared = estimator.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None)
+    for micro in (16, 1, 5, 16, 8):
+        fresh = estimator.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None).at(micro)
+        assert shared.at(micro) == fresh, micro
+    assert shared.fake_step() is shared.fake_step()
+
+
 def test_the_real_model_is_not_touched(gpt):
     model, batch = gpt
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -4,7 +4,8 @@ The model is copied under ``FakeTensorMode`` (tensors without data), the plan is
 (:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
 which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
 The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
-that makes the optimizer state; when the plan cuts the batch, the traced micro-batch adds to the gradients (as the
+that makes the optimizer state (once per plan: every micro-batch traced starts from the state the step before left,
+which is the same at any micro-batch); when the plan cuts the batch, the traced micro-batch adds to the gradients (as the
 later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the
 categories are those at that moment (the forward's and the backward's peaks are kept apart for the sharded closed
 form). Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for CPU
@@ -169,6 +170,13 @@ class Traces:
                              "CUDA device on a machine that has one, or set optimizer_offload=False")
         self.world_size = _world_size(world_size, plan)
         self._done: dict[int, _Traced] = {}
+        self._fake: _FakeStep | None = None
+
+    def fake_step(self) -> _FakeStep:
+        """The fake model and step every micro-batch of this plan is traced with (made at the first)."""
+        if self._fake is None:
+            self._fake = _FakeStep(self)
+        return self._fake
 
     def at(self, micro: int, world_size: int | None = None) -> Estimate:
         """The estimate at ``micro`` samples per rank over ``world_size`` ranks (None: the one given at creation)."""
@@ -277,89 +285,113 @@ class _Traced:
         return dataclasses.replace(top, host_bytes=max(e.host_bytes for e in estimates))
 
 
+class _FakeStep:
+    """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step,
+    kept for every micro-batch traced: the warm-up step that makes the gradients and the optimizer state runs once
+    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter)."""
+
+    def __init__(self, traces: Traces) -> None:
+        plan, device, self.what_if = traces.plan, traces.trace_device, traces.what_if
+        self.precision = precision = precision_plugin(plan.precision, device)
+        if self.what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
+            low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
+            self.autocast: Callable[[], Any] = lambda: CudaAutocast(low)
+        else:  # CPU autocast: checkpointing re-enters it to recompute
+            low = None
+            self.autocast = precision.forward_context if precision is not None else contextlib.nullcontext
+        self.in_backward = [False]
+        self.warm = False
+        self.mode = fake_tensor_mode(allow_non_fake_inputs=True)
+        trainer = trainer_reference(traces.model)
+        with fake_copy_mode(self.mode):
+            self.model = fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
+        with self.entered():
+            # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16,
+            # with the fp32 master shards in closed form (rank_state)
+            self.gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
+            convert_model(fake, device, torch.bfloat16 if self.gathered_bf16 else precision_input_dtype(precision))
+            fake.train()
+            if plan.activation_checkpointing:
+                blocks = select_blocks(fake, plan.activation_checkpointing)
+                if low is not None:
+                    _recompute_under(blocks, low, self.in_backward)
+                checkpoint_blocks(blocks)
+            if self.gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
+                cast_unit_inputs(fake, torch.bfloat16)
+            optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device),
+                                              plan.optimizer_state, bf16_weights=plan.precision == "bf16-true")
+            self.offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
+            self.host_bytes = offloaded_host_bytes(optimizers) if self.offloaded else 0
+            if self.offloaded:  # the device runs the update of the small parameters only
+                optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
+            self.optimizers = optimizers
+        self.plan = plan
+
+    @contextlib.contextmanager
+    def entered(self) -> Any:
+        """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
+        with self.mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
+            warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
+            yield
+
+    def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None) -> None:
+        """Forward (the last gradients alive), ``zero_grad``, backward, update."""
+        with _offload(self.plan, self.what_if):
+            with self.autocast():
+                loss = loss_of(self.model, self.model.training_step(inputs, 0))
+            if zero_grad:
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+                for p in self.offloaded:
+                    p.grad = None
+            before_backward()
+            self.in_backward[0] = True
+            try:
+                loss.backward()
+            finally:
+                self.in_backward[0] = False
+        del loss
+        for opt in self.optimizers:
+            opt.step()
+
+
 def _trace(traces: Traces, micro: int) -> _Traced:
+    fake = traces.fake_step()
     plan, device, size, what_if = traces.plan, traces.trace_device, traces.size, traces.what_if
-    precision = precision_plugin(plan.precision, device)
-    if what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
-        low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
-        autocast: Callable[[], Any] = lambda: CudaAutocast(low)  # noqa: E731
-    else:  # CPU autocast: checkpointing re-enters it to recompute
-        low, autocast = None, precision.forward_context if precision is not None else contextlib.nullcontext
-    in_backward = [False]
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
     accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
-    mode = fake_tensor_mode(allow_non_fake_inputs=True)
-    trainer = trainer_reference(traces.model)
-    with fake_copy_mode(mode):
-        fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
-    with mode, warnings.catch_warnings():  # of a step outside a Trainer: `self.log` without a trainer, hooks
-        warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
-        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16, with
-        # the fp32 master shards in closed form (rank_state)
-        gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
-        convert_model(fake, device, torch.bfloat16 if gathered_bf16 else precision_input_dtype(precision))
-        fake.train()
-        if plan.activation_checkpointing:
-            blocks = select_blocks(fake, plan.activation_checkpointing)
-            if low is not None:
-                _recompute_under(blocks, low, in_backward)
-            checkpoint_blocks(blocks)
-        if gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
-            cast_unit_inputs(fake, torch.bfloat16)
-        optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device), plan.optimizer_state,
-                                          bf16_weights=plan.precision == "bf16-true")
-        offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
-        host_bytes = offloaded_host_bytes(optimizers) if offloaded else 0
-        if offloaded:  # the device runs the update of the small parameters only
-            optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
-        inputs, input_tensors = fake_batch(mode, part, device, precision)
-
-        def step(*, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None) -> None:
-            # forward (last gradients alive), zero_grad, backward, update
-            with _offload(plan, what_if):
-                with autocast():
-                    loss = loss_of(fake, fake.training_step(inputs, 0))
-                if zero_grad:
-                    for opt in optimizers:
-                        opt.zero_grad(set_to_none=True)
-                    for p in offloaded:
-                        p.grad = None
-                before_backward()
-                in_backward[0] = True
-                try:
-                    loss.backward()
-                finally:
-                    in_backward[0] = False
-            del loss
-            for opt in optimizers:
-                opt.step()
-
+    with fake.entered():
+        inputs, input_tensors = fake_batch(fake.mode, part, device, fake.precision)
         try:
-            step(zero_grad=True)  # the first step makes the gradients and the optimizer state
+            if not fake.warm:
+                fake.step(inputs, zero_grad=True)  # the first step makes the gradients and the optimizer state
+                fake.warm = True
             tracker = step_tracker(cuda_rules=what_if)
-            tracker.track_external(fake, *optimizers, *input_tensors)
+            tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
             with tracker:
-                step(zero_grad=not accumulate, before_backward=lambda: snapshots.append(tracker.next_phase()))
+                fake.step(inputs, zero_grad=not accumulate,
+                          before_backward=lambda: snapshots.append(tracker.next_phase()))
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except (RuntimeError, NotImplementedError, TypeError) as error:
             message = " ".join(str(error).split())[:300]
             raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
                              f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "
                              "tensor values (such as .item() or data-dependent shapes)") from error
+        optimizers = fake.optimizers
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)
-        grad_bytes = bytes_of((p for p in fake.parameters() if p.requires_grad), device, cuda_rules=what_if)
+        grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
     notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
     phases = []
     for backward, snapshot in enumerate(snapshots):
         estimate, update_temporaries = _estimate_from(
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=what_if,
-            state_bytes=state_bytes, extra_host=host_bytes)
+            state_bytes=state_bytes, extra_host=fake.host_bytes)
         phases.append(_Phase(dataclasses.replace(estimate, notes=notes), update_temporaries, bool(backward)))
-    return _Traced(tuple(phases), grad_bytes, fake, optimizers, torch.float32 if gathered_bf16 else None)
+    return _Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "
