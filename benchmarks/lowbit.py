@@ -211,7 +211,7 @@ def main() -> None:
     found = in_fresh_process(search_both, "2GiB", args.search) if args.search else []
     if found:
         print(f"\nThe search on the example GPT (examples/gpt/train.py:make, budget 2GiB, {args.search} trials, seed 0)\n")
-        print(markdown_table(["space", "winner", "samples/s", "peak RSS", "wall"],
+        print(markdown_table(["space", "winner", "samples/s", "peak", "wall"],
                              [[r["space"], r["plan"], f"{r['samples_per_second']:.1f}",
                                f"{(r['peak_bytes'] or 0) / 2**20:.0f} MiB", f"{r['seconds']:.0f} s"] for r in found],
                              right=(2, 3, 4)))
