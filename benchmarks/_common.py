@@ -224,7 +224,7 @@ def _status(*keys: str) -> list[int] | None:
                 key, _, value = line.partition(":")
                 if key in keys:
                     found[key] = int(value.split()[0]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return [found[k] for k in keys] if len(found) == len(keys) else None
 
@@ -255,4 +255,4 @@ def peak_host_bytes() -> int:
     """This process's peak in a CPU budget's measure: Linux ``VmHWM - RssFile`` (the peak resident set less the
     file-backed pages resident now); the peak resident set elsewhere."""
     fields = _status("VmHWM", "RssFile")
-    return fields[0] - fields[1] if fields is not None else peak_rss_bytes()
+    return max(0, fields[0] - fields[1]) if fields is not None else peak_rss_bytes()

@@ -19,10 +19,10 @@ figure is >= 95% of the best, and the wall time over the exhaustive pass's (goal
 are not charged to it). Also: the search's own time per trial in its process (sampler, estimator, storage; the
 trial's process apart; goal <= 0.2 s) and how many re-measurements it made before choosing.
 
-On CPU the budget is the trial process's peak resident set net of file-backed pages (docs/elastic.md#budget) and a concrete plan's measurement
-does not depend on it, so the exhaustive pass and the oracle carry over from one budget to the next (only plans new
-to a budget, ``auto`` resolving differently, are measured). CPU trials run with one intra-op thread
-(``--threads``). Studies live in temporary SQLite files. Results go to stdout (and ``--json PATH``) only.
+On CPU the budget is the trial process's peak resident set net of file-backed pages (docs/elastic.md#budget) and a
+concrete plan's measurement does not depend on it, so the exhaustive pass and the oracle carry over from one budget to
+the next (only plans new to a budget, ``auto`` resolving differently, are measured). CPU trials run with one intra-op
+thread (``--threads``). Studies live in temporary SQLite files. Results go to stdout (and ``--json PATH``) only.
 
 Usage::
 
@@ -93,9 +93,9 @@ class AutoMicro:
     micro-batch of the target's first batch whose ``autotune.estimate`` peak, plus a baseline, fits the budget.
 
     The baseline is what a trial's measured peak holds besides the tensors the estimator counts: on CPU a short run's
-    peak less its estimate (:meth:`measure_baseline`, as the search does before its first trial), raised to the
-    largest measured peak less that plan's estimate; 0 on CUDA. Each choice is kept until the baseline changes. When the estimator fails the choice is the
-    whole batch; when one sample does not fit, 1.
+    peak less its estimate (:meth:`measure_baseline`, as the search does before its first trial), raised to the largest
+    measured peak less that plan's estimate; 0 on CUDA. Each choice is kept until the baseline changes. When the
+    estimator fails the choice is the whole batch; when one sample does not fit, 1.
     """
 
     def __init__(self, target: Any, device: str) -> None:

@@ -35,11 +35,11 @@ class ElasticBatchSize(Callback):
     that fails, it goes back and waits twice as long before the next try.
 
     Args:
-        budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's
-            total like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only. On CUDA the
-            budget is a hard cap on the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so a
-            large GPU behaves like a smaller one. On CPU it is soft: the step's peak resident set net of file-backed pages
-            (``VmHWM - RssFile``) is checked after the step and an overshoot halves the micro-batch of the next step.
+        budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's total
+            like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only. On CUDA the budget is a
+            hard cap on the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so a large GPU behaves
+            like a smaller one. On CPU it is soft: the step's peak resident set net of file-backed pages (``VmHWM -
+            RssFile``) is checked after the step and an overshoot halves the micro-batch of the next step.
         micro_batch_size: the micro-batch to start with; None starts with the whole batch.
         min_micro_batch_size: an OOM at this size ends ``fit`` with
             :class:`~autotune.OutOfMemoryAtMinimumError`.

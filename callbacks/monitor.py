@@ -19,7 +19,7 @@ from autotune._compat import (
     stop_cuda_memory_history,
 )
 from autotune._device.budget import format_bytes
-from autotune._device.meter import MemoryMeter, current_rss_bytes, peak_rss_bytes
+from autotune._device.meter import MemoryMeter, current_host_bytes, current_rss_bytes, peak_rss_bytes
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune.callbacks.elastic import ElasticBatchSize
 
@@ -257,7 +257,8 @@ class MemoryMonitor(Callback):
                 path = self.dump_snapshot(tag)
                 if path is not None:
                     figures.append(f"memory snapshot written to {path} (open it at {self.MEMORY_VIZ_URL})")
-            else:
+            else:  # the peak is in the CPU budget's measure: say where the process is now in it too
+                figures[0] += f" ({format_bytes(current_host_bytes())} net of file pages)"
                 figures.append(peak)
         log.warning("autotune: out of memory on rank %d: %s; %s", self._rank, what, "; ".join(figures))
 

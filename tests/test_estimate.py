@@ -223,16 +223,42 @@ def test_breakdown_adds_up_to_the_peak(gpt, gpt_estimates):
         assert e.fits(e.predicted_peak_bytes) and not e.fits(e.predicted_peak_bytes - 1)
 
 
-@pytest.mark.parametrize("plan", [Plan(), Plan(precision="bf16-mixed", activation_checkpointing=0.5),
-                                  Plan(strategy="fsdp", devices=2)], ids=["fp32", "bf16-ckpt", "fsdp"])
-def test_micro_batches_traced_one_after_another_match_fresh_traces(gpt, plan):
+@pytest.mark.parametrize(("plan", "device"), [
+    (Plan(), "cpu"),
+    (Plan(precision="bf16-mixed", activation_checkpointing=0.5), "cpu"),
+    (Plan(precision="bf16-mixed", activation_checkpointing=1.0), "cuda"),  # what-if: CUDA autocast re-entered
+    (Plan(optimizer_state="8bit"), "cpu"),
+    (Plan(strategy="fsdp", devices=2), "cpu"),
+], ids=["fp32", "bf16-ckpt", "whatif-bf16-ckpt", "8bit-state", "fsdp"])
+def test_micro_batches_traced_one_after_another_match_fresh_traces(gpt, plan, device):
     """The warm-up step runs once per plan; each later micro-batch starts from the state the step before left."""
     model, batch = gpt
-    shared = estimator.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None)
-    for micro in (16, 1, 5, 16, 8):
-        fresh = estimator.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None).at(micro)
+    shared = estimator.Traces(model=model, batch=batch, plan=plan, device=device, optimizer=None)
+    for micro in (1, 5, 16, 8):  # accumulating, then the whole batch (zero_grad), then accumulating again
+        fresh = estimator.Traces(model=model, batch=batch, plan=plan, device=device, optimizer=None).at(micro)
         assert shared.at(micro) == fresh, micro
     assert shared.fake_step() is shared.fake_step()
+
+
+class FailsInBackwardAtTheWholeBatch(TinyMLP):
+    """Its backward reads a value (which no trace can) at the whole batch only: after ``zero_grad``."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if batch[0].shape[0] == 16:
+            out["loss"].register_hook(lambda grad: grad * grad.sum().item())
+        return out
+
+
+def test_a_failed_trace_leaves_no_half_stepped_model_behind():
+    traces = estimator.Traces(model=FailsInBackwardAtTheWholeBatch(), batch=tiny_batch(), plan=Plan(), device="cpu",
+                              optimizer=None)
+    assert traces.at(4) == estimator.Traces(model=TinyMLP(), batch=tiny_batch(), plan=Plan(), device="cpu",
+                                            optimizer=None).at(4)
+    with pytest.raises(ValueError, match=r"cannot trace FailsInBackwardAtTheWholeBatch\.training_step"):
+        traces.at(16)  # fails after zero_grad: the gradients are gone
+    fresh = estimator.Traces(model=TinyMLP(), batch=tiny_batch(), plan=Plan(), device="cpu", optimizer=None).at(8)
+    assert traces.at(8) == fresh  # traced from a fresh copy, with the last step's gradients alive
 
 
 def test_the_real_model_is_not_touched(gpt):

@@ -69,7 +69,7 @@ def test_cpu_meter_counts_allocations_and_not_mapped_files(tmp_path: Path) -> No
     static = current_host_bytes()
     block = torch.ones(64 * MIB // 4)  # anonymous pages, every one written
     assert meter.peak() - static > 60 * MIB
-    assert meter.peak() <= peak_rss_bytes() and peak_host_bytes() == meter.peak()
+    assert meter.peak() <= peak_rss_bytes() and abs(peak_host_bytes() - meter.peak()) < MIB
     del block
 
 

@@ -5,7 +5,8 @@ the pages of the files it has mapped (torch's shared libraries above all). Those
 process mapping the same files and the kernel drops them under pressure, and how many of them a process has mapped
 depends on the page cache rather than on the plan: the same plan's RSS moved by 40-60 MiB between two installs of the
 same packages (see docs/troubleshooting.md). What is left, anonymous and shared-memory pages, is what the process
-allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in shared memory.
+allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in shared memory. The kernel
+keeps no peak of those alone: :func:`peak_host_bytes` says how close the peak read here comes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class MemoryMeter:
     CUDA: the caching allocator's peak reserved bytes (what ``set_per_process_memory_fraction`` caps) and peak
     allocated bytes, reset at the start of each step. CPU: the process's peak memory net of file-backed pages (see
     :func:`peak_host_bytes`), its peak reset at the start of each step through ``/proc/self/clear_refs``; where that
-    reset is not possible the peak is the process's lifetime peak, which can only over-report.
+    reset is not possible the peak is the process's lifetime peak.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -81,10 +82,13 @@ def current_host_bytes() -> int:
 def peak_host_bytes() -> int:
     """This process's peak memory net of file-backed pages, since the peak's last reset: Linux ``VmHWM - RssFile``.
 
-    ``VmHWM`` is the peak resident set, file pages included; the file pages resident now are subtracted. A process
-    maps its libraries' code as it first runs it and keeps it mapped, so after the first steps this is the peak of
-    the anonymous and shared-memory pages; file pages first mapped during the step, after its peak, make it report
-    that much less. The peak resident set size where the kernel does not split it.
+    ``VmHWM`` is the peak resident set, file pages included; the file pages resident now are subtracted. Its error is
+    the change in resident file pages between the moment of the peak and now: pages mapped after the peak (code run
+    for the first time, the pages of a memory-mapped dataset read later in the step) make it report that much less,
+    pages unmapped or reclaimed after the peak that much more (never more than the peak resident set). A process keeps its
+    libraries' code mapped once it has run it, so with the peak reset at each step's start, after the first steps and
+    with data that is not memory-mapped this is the peak of the anonymous and shared-memory pages. The peak resident
+    set size where the kernel does not split it.
     """
     fields = _status("VmHWM", "RssFile")
     return max(0, fields[0] - fields[1]) if fields is not None else peak_rss_bytes()

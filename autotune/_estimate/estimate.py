@@ -33,9 +33,9 @@ class TargetEstimate:
     """One row of ``autotune estimate``: a plan's estimate at the row's micro-batch against ``budget_bytes``, and
     the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none does).
 
-    ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure: on CPU, where
-    the budget is the process's resident set net of file pages, a measured baseline (see ``autotune estimate``); 0 on CUDA, where the
-    budget caps the allocator. ``peak_bytes`` is the estimate plus it, what the budget is compared with."""
+    ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure: on CPU, where the
+    budget is the process's resident set net of file pages, a measured baseline (see ``autotune estimate``); 0 on CUDA,
+    where the budget caps the allocator. ``peak_bytes`` is the estimate plus it, what the budget is compared with."""
 
     estimate: Estimate
     batch_size: int

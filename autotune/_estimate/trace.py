@@ -5,8 +5,8 @@ The model is copied under ``FakeTensorMode`` (tensors without data), the plan is
 which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
 The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
 that makes the optimizer state (once per plan: every micro-batch traced starts from the state the step before left,
-which is the same at any micro-batch); when the plan cuts the batch, the traced micro-batch adds to the gradients (as the
-later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the
+which is the same at any micro-batch); when the plan cuts the batch, the traced micro-batch adds to the gradients (as
+the later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the
 categories are those at that moment (the forward's and the backward's peaks are kept apart for the sharded closed
 form). Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for CPU
 convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
@@ -29,7 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +178,10 @@ class Traces:
             self._fake = _FakeStep(self)
         return self._fake
 
+    def forget_fake_step(self) -> None:
+        """Drop the fake model (after a failed trace), so that the next micro-batch makes a fresh one."""
+        self._fake = None
+
     def at(self, micro: int, world_size: int | None = None) -> Estimate:
         """The estimate at ``micro`` samples per rank over ``world_size`` ranks (None: the one given at creation)."""
         if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= self.size:
@@ -288,7 +292,9 @@ class _Traced:
 class _FakeStep:
     """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step,
     kept for every micro-batch traced: the warm-up step that makes the gradients and the optimizer state runs once
-    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter)."""
+    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter). A
+    model that keeps Python state from step to step (a step counter, a list it appends to) is traced after as many
+    steps as micro-batches were traced before; a step whose trace fails drops the copy."""
 
     def __init__(self, traces: Traces) -> None:
         plan, device, self.what_if = traces.plan, traces.trace_device, traces.what_if
@@ -328,7 +334,7 @@ class _FakeStep:
         self.plan = plan
 
     @contextlib.contextmanager
-    def entered(self) -> Any:
+    def entered(self) -> Iterator[None]:
         """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
         with self.mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
@@ -375,7 +381,10 @@ def _trace(traces: Traces, micro: int) -> _Traced:
                 fake.step(inputs, zero_grad=not accumulate,
                           before_backward=lambda: snapshots.append(tracker.next_phase()))
             snapshots.append(tracker.get_tracker_snapshot("peak"))
-        except (RuntimeError, NotImplementedError, TypeError) as error:
+        except BaseException as error:
+            traces.forget_fake_step()  # half a step may have run: the next micro-batch starts from a fresh copy
+            if not isinstance(error, (RuntimeError, NotImplementedError, TypeError)):
+                raise
             message = " ".join(str(error).split())[:300]
             raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
                              f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "

@@ -47,10 +47,11 @@ class TrialResult:
     """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
 
     ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
-    (``reason`` says why). Peaks are the run's peak memory in the budget's measure (CUDA: allocator reserved bytes
-    plus the CUDA context; CPU: the process's peak resident set net of file-backed pages), the worst rank's under DDP. ``interval`` is the
-    95% interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded);
-    ``warmup_steps`` how many steps ran before timing started (more than asked while the step time was settling).
+    (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
+    measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
+    file-backed pages), the worst rank's under DDP. ``interval`` is the 95% interval of ``samples_per_second`` over this
+    run's timed steps (None when it is unbounded); ``warmup_steps`` how many steps ran before timing started (more than
+    asked while the step time was settling).
 
     Example:
         >>> TrialResult("oom", reason="CUDA out of memory").status
@@ -162,6 +163,8 @@ def make_meter(**kwargs: Any) -> Any:
             self.marks: list[float] = []  # step ends from the end of warm-up on
             self.pruned = False
             self.flops: float | None = None  # one step's forward and backward, on the minimum warm-up's last step
+            # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
+            self.step_peak = 0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.first_step is None:
@@ -185,6 +188,7 @@ def make_meter(**kwargs: Any) -> Any:
             self._count_done()
             _sync(pl_module.device)
             now = time.perf_counter()
+            self.step_peak = max(self.step_peak, _step_peak(pl_module.device))
             if self.marks:
                 self.marks.append(now)
             else:
@@ -227,7 +231,7 @@ def make_meter(**kwargs: Any) -> Any:
             return low, high
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.peak = _peak_bytes(pl_module.device)
+            self.peak = max(self.step_peak, _step_peak(pl_module.device)) + _context_bytes(pl_module.device)
             if trainer.world_size > 1:  # the largest peak of the ranks (the budget is per device)
                 import torch
 
@@ -312,18 +316,26 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_bytes(device: Any) -> int:
-    """CUDA: the allocator's peak reserved bytes plus the CUDA context (NVML's figure for this process minus what
-    the allocator holds now). CPU: the process's peak resident set net of file-backed pages."""
-    from autotune._device.meter import peak_host_bytes
-
+def _step_peak(device: Any) -> int:
+    """The step's peak, since ElasticBatchSize's reset at its start: CUDA, the allocator's peak reserved bytes; CPU,
+    the resident set net of file-backed pages (:func:`autotune._device.meter.peak_host_bytes`)."""
     if device.type != "cuda":
+        from autotune._device.meter import peak_host_bytes
+
         return peak_host_bytes()
+    import torch
+
+    return torch.cuda.max_memory_reserved(device)
+
+
+def _context_bytes(device: Any) -> int:
+    """CUDA: what NVML counts for this process beyond the allocator's reserve (the CUDA context; 0 where NVML does
+    not list the process); 0 on CPU."""
+    if device.type != "cuda":
+        return 0
     import torch
 
     from autotune._device.probe import process_device_bytes
 
-    reserved_now = torch.cuda.memory_reserved(device)
-    process_now = process_device_bytes(device.index or 0)  # None where NVML does not list this process
-    context = max(0, process_now - reserved_now) if process_now is not None else 0
-    return torch.cuda.max_memory_reserved(device) + context
+    process_now = process_device_bytes(device.index or 0)
+    return max(0, process_now - torch.cuda.memory_reserved(device)) if process_now is not None else 0

@@ -152,16 +152,16 @@ _TRACING = threading.Lock()  # the estimator's module hooks are process-wide: on
 class SearchEstimator:
     """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
 
-    The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), the estimator counts tensor bytes: on CPU
-    the process baseline is added, measured by a short trial before the search (its peak less its estimate). Each
-    measured trial then gives its plan's shape (the plan without its micro-batch and dataloader settings) a baseline of
-    its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto`` decides): the
-    estimator's error differs between shapes (checkpointing's recomputation leaves more behind in the resident set
-    than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold can leave
-    far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet takes the
-    first baseline measured (the short run's). On CUDA the trial's allocator is capped at
-    the budget, which is what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of
-    the estimator is logged and the search goes on without it.
+    The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), the estimator
+    counts tensor bytes: on CPU the process baseline is added, measured by a short trial before the search (its peak
+    less its estimate). Each measured trial then gives its plan's shape (the plan without its micro-batch and dataloader
+    settings) a baseline of its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto``
+    decides): the estimator's error differs between shapes (checkpointing's recomputation leaves more behind in the
+    resident set than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold
+    can leave far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet
+    takes the first baseline measured (the short run's). On CUDA the trial's allocator is capped at the budget, which is
+    what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of the estimator is logged
+    and the search goes on without it.
     """
 
     def __init__(self, target: Any, device: Any) -> None:

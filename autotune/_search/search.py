@@ -242,8 +242,8 @@ class _Objective:
         self.estimator = SearchEstimator(target_obj, device)
 
     def measure_baseline(self) -> None:
-        """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial holds besides the
-        tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
+        """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
+        holds besides the tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
         self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:

@@ -130,7 +130,7 @@ def test_oom_recovered_by_elastic_is_reported_with_rss_at_the_end_of_that_step(
     message = warnings[0].getMessage()
     assert "ElasticBatchSize recovered from 1 OOM(s) at step 0" in message
     assert "micro-batch 32 -> 16" in message
-    assert "host RSS" in message and "peak RSS" in message
+    assert "host RSS" in message and "net of file pages)" in message and "peak RSS net of file pages" in message
     # Noticed at the end of the step that recovered, before the next step began.
     order = [r.getMessage() for r in caplog.records if r.name in ("tests.monitor", "autotune")]
     at = order.index(message)

@@ -131,7 +131,7 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
     for t in finished:
         assert t.user_attrs["source"] == "measured" and t.user_attrs["status"] in ("ok", "pruned")
         assert t.user_attrs["samples_per_second"] > 0 and t.user_attrs["steps_timed"] >= 1
-        assert 0 < t.user_attrs["peak_bytes"] < 2 * 2**30  # the larger rank's peak RSS, under the budget
+        assert 0 < t.user_attrs["peak_bytes"] < 2 * 2**30  # the larger rank's peak, under the budget
 
     plan = load_plan(out)
     assert plan.strategy in ("ddp", "fsdp") and plan.budget == "2GiB"
