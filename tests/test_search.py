@@ -100,7 +100,9 @@ def test_a_trials_peak_is_its_largest_steps_not_its_last() -> None:
     plain, spike = (measure_plan(target=f"{FIXTURE}:{name}", plan=Plan(micro_batch_size=8), device="cpu", **FAST)
                     for name in ("make", "make_first_step_spike"))
     assert plain.status == spike.status == "ok" and spike.warmup_steps + spike.steps_timed >= 3
-    assert spike.peak_bytes - plain.peak_bytes > 200 * 2**20  # the first step's 256 MiB, freed before the last
+    # the first step's 1 GiB, freed before the last, less how far a plain step peaks above the process at the
+    # spike's moment (58 MiB in a CI run)
+    assert spike.peak_bytes - plain.peak_bytes > 512 * 2**20
 
 
 @pytest.mark.slow
