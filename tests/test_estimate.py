@@ -234,10 +234,11 @@ def test_micro_batches_traced_one_after_another_match_fresh_traces(gpt, plan, de
     """The warm-up step runs once per plan; each later micro-batch starts from the state the step before left."""
     model, batch = gpt
     shared = estimator.Traces(model=model, batch=batch, plan=plan, device=device, optimizer=None)
+    first = shared.fake_step()
     for micro in (1, 5, 16, 8):  # accumulating, then the whole batch (zero_grad), then accumulating again
         fresh = estimator.Traces(model=model, batch=batch, plan=plan, device=device, optimizer=None).at(micro)
         assert shared.at(micro) == fresh, micro
-    assert shared.fake_step() is shared.fake_step()
+    assert shared.fake_step() is first  # one fake model for every micro-batch traced
 
 
 class FailsInBackwardAtTheWholeBatch(TinyMLP):

@@ -83,12 +83,12 @@ def peak_host_bytes() -> int:
     """This process's peak memory net of file-backed pages, since the peak's last reset: Linux ``VmHWM - RssFile``.
 
     ``VmHWM`` is the peak resident set, file pages included; the file pages resident now are subtracted. Its error is
-    the change in resident file pages between the moment of the peak and now: pages mapped after the peak (code run
-    for the first time, the pages of a memory-mapped dataset read later in the step) make it report that much less,
-    pages unmapped or reclaimed after the peak that much more (never more than the peak resident set). A process keeps its
+    the change in resident file pages between the moment of the peak and now: pages mapped after the peak (code run for
+    the first time, the pages of a memory-mapped dataset read later in the step) make it report that much less, pages
+    unmapped or reclaimed after the peak that much more (never more than the peak resident set). A process keeps its
     libraries' code mapped once it has run it, so with the peak reset at each step's start, after the first steps and
-    with data that is not memory-mapped this is the peak of the anonymous and shared-memory pages. The peak resident
-    set size where the kernel does not split it.
+    with data that is not memory-mapped this is the peak of the anonymous and shared-memory pages. The peak resident set
+    size where the kernel does not split it.
     """
     fields = _status("VmHWM", "RssFile")
     return max(0, fields[0] - fields[1]) if fields is not None else peak_rss_bytes()

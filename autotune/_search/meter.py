@@ -165,6 +165,7 @@ def make_meter(**kwargs: Any) -> Any:
             self.flops: float | None = None  # one step's forward and backward, on the minimum warm-up's last step
             # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
             self.step_peak = 0
+            self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.first_step is None:
@@ -188,7 +189,7 @@ def make_meter(**kwargs: Any) -> Any:
             self._count_done()
             _sync(pl_module.device)
             now = time.perf_counter()
-            self.step_peak = max(self.step_peak, _step_peak(pl_module.device))
+            self.step_peak = max(self.step_peak, self._peak(pl_module))
             if self.marks:
                 self.marks.append(now)
             else:
@@ -217,6 +218,13 @@ def make_meter(**kwargs: Any) -> Any:
                 return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
             return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
 
+        def _peak(self, pl_module: Any) -> int:
+            if self.memory is None:
+                from autotune._device.meter import MemoryMeter
+
+                self.memory = MemoryMeter(pl_module.device)
+            return self.memory.peak()
+
         def durations(self) -> list[float]:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
@@ -231,7 +239,7 @@ def make_meter(**kwargs: Any) -> Any:
             return low, high
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.peak = max(self.step_peak, _step_peak(pl_module.device)) + _context_bytes(pl_module.device)
+            self.peak = max(self.step_peak, self._peak(pl_module)) + _context_bytes(pl_module.device)
             if trainer.world_size > 1:  # the largest peak of the ranks (the budget is per device)
                 import torch
 
@@ -314,18 +322,6 @@ def _sync(device: Any) -> None:
         import torch
 
         torch.cuda.synchronize(device)
-
-
-def _step_peak(device: Any) -> int:
-    """The step's peak, since ElasticBatchSize's reset at its start: CUDA, the allocator's peak reserved bytes; CPU,
-    the resident set net of file-backed pages (:func:`autotune._device.meter.peak_host_bytes`)."""
-    if device.type != "cuda":
-        from autotune._device.meter import peak_host_bytes
-
-        return peak_host_bytes()
-    import torch
-
-    return torch.cuda.max_memory_reserved(device)
 
 
 def _context_bytes(device: Any) -> int:
