@@ -24,7 +24,14 @@ from autotune._search.rank import (
 )
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import exclusive, open_storage, recover_dead_workers, requeue_interrupted, worker_id
-from autotune._search.trial import TrialResult, TrialSpec, check_positive_int, check_interval, run_trial
+from autotune._search.trial import (
+    TrialResult,
+    TrialSpec,
+    check_interval,
+    check_positive_int,
+    run_trial,
+    start_trial_server,
+)
 
 log = logging.getLogger("autotune")
 
@@ -127,6 +134,7 @@ def search(
     check_positive_int("devices", devices)
     check_interval(interval)
     out_path = _check_out(out)
+    start_trial_server()  # its imports run while this process loads the target and the study
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     tgt = load_target(target, config=config)
     batch_size = tgt.batch_size()
