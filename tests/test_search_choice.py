@@ -99,12 +99,31 @@ def test_a_run_whose_interval_tops_out_below_the_bar_stops_as_too_slow(monkeypat
     assert result.status == "pruned" and result.interval[1] < 200 and "clearly slower" in result.reason
 
 
-def test_a_run_at_half_the_bar_stops_after_two_timed_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=201.0)
-    assert meter.pruned and len(meter.durations()) == 2  # its fastest step, 100/s, is under half of 201/s
-    assert meter.result().status == "pruned"
-    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=199.0)
-    assert meter.pruned and len(meter.durations()) >= 5  # 100/s is not under half of 199/s: the interval decides
+def test_a_run_whose_fastest_step_is_below_the_bar_stops_after_two_timed_steps(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=101.0)
+    assert meter.pruned and len(meter.durations()) == 2  # its fastest step, 100/s, is below 101/s
+    result = meter.result()
+    assert result.status == "pruned" and result.steps_timed == 2 and result.warmup_steps == 2
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=99.0)
+    assert meter.pruned and len(meter.durations()) >= 5  # 100/s reaches 99/s: its interval (95/s on average) decides
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=90.0)
+    assert not meter.pruned and len(meter.durations()) >= 5  # above the bar: timed until its interval is known
+
+
+def test_a_run_at_half_the_bar_stops_while_warming_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # Not settled (each step 20% faster than the one before), and at 10/0.5 = 20/s at best: under half of 41/s.
+    meter = _meter_run(monkeypatch, tmp_path, [9.0, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1] + [0.1] * 20, steps=20,
+                       stop_below=41.0)
+    assert meter.pruned and meter.warmup_durations == pytest.approx([9.0, 0.6, 0.5]) and not meter.durations()
+    result = meter.result()
+    assert result.status == "pruned" and result.steps_timed == 0 and result.interval is None
+    assert result.samples_per_second == pytest.approx(10 / 0.55)  # the steps after the first
+    assert "clearly slower" in result.reason
+    # The first step is never judged, and one step after it is not enough: here the run settles and is timed.
+    meter = _meter_run(monkeypatch, tmp_path, [9.0, 0.6, 0.11, 0.1] + [0.1] * 20, steps=20, stop_below=41.0)
+    assert not meter.pruned and meter.warmup_durations == pytest.approx([9.0, 0.6, 0.11, 0.1])
+    assert meter.result().status == "ok" and meter.result().samples_per_second == pytest.approx(100.0)
 
 
 # ------------------------------------------------------------------------------------------------ choosing

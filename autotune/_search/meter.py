@@ -79,8 +79,10 @@ class TrialResult:
 #: Timed steps a trial takes at least before its interval may stop it (below 5, a lucky run of similar steps gives a
 #: narrow interval that misses: optional stopping).
 MIN_TIMED = 5
-#: A run whose fastest of its first timed steps (at least 2) is below this share of the early-stop bar stops at once:
-#: twice slower than the contenders is clear without an interval.
+#: A run still warming up whose fastest step after the first (at least 2 of them) is below this share of the
+#: early-stop bar stops at once: twice slower than the contenders is clear before the step time has settled. Once
+#: timing has started, a run stops when its fastest timed step (at least 2) is below the bar itself: the mean of
+#: its steps is slower than its fastest.
 CLEAR_SHARE = 0.5
 #: Warm-up ends when a step's time is within this share of the step before it.
 STABLE_WITHIN = 0.10
@@ -204,19 +206,25 @@ def make_meter(**kwargs: Any) -> Any:
 
         def _decide(self) -> int:
             if not self.marks:
+                if self._slower_than(self.warmup_durations[1:], CLEAR_SHARE):  # the first step is never judged
+                    return _TOO_SLOW  # warming up, and already half the contenders' pace at best
                 stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
                 return _TIMING_STARTS if stable else _GO_ON
             durations = self.durations()
             if len(durations) >= self.spec.steps:
                 return _ENOUGH
-            if self.spec.stop_below and len(durations) >= 2 and \
-                    self.samples_per_step() / min(durations) < CLEAR_SHARE * self.spec.stop_below:
-                return _TOO_SLOW  # even its fastest step is half the contenders' pace
+            if self._slower_than(durations, 1.0):
+                return _TOO_SLOW  # even its fastest step is below the bar
             if len(durations) < MIN_TIMED:
                 return _GO_ON
             if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
                 return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
             return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
+
+        def _slower_than(self, durations: list[float], share: float) -> bool:
+            """Whether the fastest of at least two ``durations`` is below ``share`` of the early-stop bar."""
+            bar = self.spec.stop_below
+            return bool(bar) and len(durations) >= 2 and self.samples_per_step() / min(durations) < share * bar
 
         def _peak(self, pl_module: Any) -> int:
             if self.memory is None:
@@ -249,7 +257,8 @@ def make_meter(**kwargs: Any) -> Any:
                 Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 
         def result(self) -> TrialResult:
-            durations = self.durations()
+            # stopped while warming up: its rate is that of the steps after the first (not settled: no interval)
+            durations = self.durations() or (self.warmup_durations[1:] if self.pruned else [])
             if not durations:
                 return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
             rate, low, high = throughput(durations, self.samples_per_step())
@@ -258,12 +267,12 @@ def make_meter(**kwargs: Any) -> Any:
             return TrialResult(
                 "pruned" if self.pruned else "ok",
                 samples_per_second=rate,
-                interval=(low, high) if math.isfinite(high) else None,
+                interval=(low, high) if math.isfinite(high) and self.marks else None,
                 tokens_per_second=rate * self.tokens if self.tokens else None,
                 peak_bytes=getattr(self, "peak", None),
                 flops_per_sample=per_sample,
                 mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
-                steps_timed=len(durations),
+                steps_timed=len(self.durations()),
                 warmup_steps=len(self.warmup_durations),
                 startup_seconds=(self.first_step or time.time()) - self.launched,
                 wall_seconds=time.time() - self.launched,
