@@ -380,6 +380,23 @@ def test_measure_plan_runs_one_plan_as_a_trial_does() -> None:
     assert oom.status == "oom" and "Out of memory at the minimum micro-batch" in oom.reason  # a result, not raised
 
 
+@pytest.mark.slow
+def test_a_trials_flops_per_sample_are_a_whole_steps_over_its_samples() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autotune import Plan, load_target, measure_plan
+
+    target = load_target(f"{GPT}:make")
+    target.datamodule.setup("fit")
+    batch = next(iter(target.datamodule.train_dataloader()))
+    with FlopCounterMode(display=False) as counter:  # the whole batch's forward and backward, in this process
+        target.model.training_step(batch, 0).backward()
+    result = measure_plan(target=f"{GPT}:make", plan=Plan(micro_batch_size=8), device="cpu", steps=2, warmup=1)
+    assert result.status == "ok", result.reason
+    # the trial counts its first micro-batch of 8 (the counter's cost is per call: not the 4 of a step)
+    assert result.flops_per_sample == pytest.approx(counter.get_total_flops() / batch[0].shape[0])
+
+
 def test_measure_plan_refuses_bad_input() -> None:
     from autotune import Plan, measure_plan
 

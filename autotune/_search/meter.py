@@ -164,7 +164,12 @@ def make_meter(**kwargs: Any) -> Any:
             self.warmup_durations: list[float] = []
             self.marks: list[float] = []  # step ends from the end of warm-up on
             self.pruned = False
-            self.flops: float | None = None  # one step's forward and backward, on the minimum warm-up's last step
+            # FLOPs of one micro-batch's forward and backward, counted in the first step (untimed and never judged
+            # for warm-up: the counter's dispatch costs do not lengthen warm-up); with compile in the minimum
+            # warm-up's last step, once the compiler has traced the step (not under a dispatch mode)
+            self.flops: float | None = None
+            self.count_at = spec.warmup - 1 if spec.plan.get("compile") else 0
+            self.counted_samples = min(spec.plan.get("micro_batch_size") or batch_size, batch_size)
             # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
             self.step_peak = 0
             self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
@@ -172,11 +177,14 @@ def make_meter(**kwargs: Any) -> Any:
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.first_step is None:
                 self.first_step, self.step_start = time.time(), time.perf_counter()
-            if trainer.global_step == self.spec.warmup - 1:  # the last step of the minimum warm-up: untimed
+            if trainer.global_step == self.count_at and self.flops is None:
                 from torch.utils.flop_counter import FlopCounterMode
 
                 self.counter = FlopCounterMode(display=False)
                 self.counter.__enter__()
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self._count_done()  # the first micro-batch's: FLOPs grow with the samples, the counter's costs per call
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
@@ -262,7 +270,7 @@ def make_meter(**kwargs: Any) -> Any:
             if not durations:
                 return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
             rate, low, high = throughput(durations, self.samples_per_step())
-            per_sample = self.flops / self.batch_size if self.flops else None
+            per_sample = self.flops / self.counted_samples if self.flops else None
             peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
             return TrialResult(
                 "pruned" if self.pruned else "ok",

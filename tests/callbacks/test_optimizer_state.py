@@ -191,7 +191,7 @@ def test_low_bit_state_on_cuda_matches_the_estimate():
 
 
 def test_a_search_trial_runs_low_bit_state():
-    # the trial counts FLOPs with a dispatch mode over its last warm-up step; torchao's compiled update refuses one,
+    # the trial counts FLOPs with a dispatch mode over its first micro-batch; torchao's compiled update refuses one,
     # so the count stops before the update
     from autotune import measure_plan
 
