@@ -359,7 +359,9 @@ def test_cpu_estimate_and_a_measured_trial_agree_on_the_peak(target) -> None:
 
     loaded = load_target(target)
     estimator = SearchEstimator(loaded, torch.device("cpu"))
-    estimator.measure_baseline(target=target, config=None)
+    estimator.measure_baseline(target=target, config=None, meanwhile=[Plan(micro_batch_size=8)])
+    # traced while the short run measured memory: its own plan, and those asked for
+    assert estimator.traced(Plan(micro_batch_size=1)) and estimator.traced(Plan(micro_batch_size=8))
     [row] = estimate_target(target=loaded, plans=[Plan(micro_batch_size=8)], budget="1GiB", device="cpu",
                             baseline_bytes=estimator.baseline)
     measured = measure_plan(target=target, plan=Plan(micro_batch_size=8), device="cpu", steps=3, warmup=1)

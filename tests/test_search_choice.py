@@ -287,3 +287,32 @@ def test_auto_finds_the_largest_even_micro_batch_that_fits_with_few_traces(batch
     assert set(traced) <= set(even_micro_batches(batch_size)) and len(set(traced)) == len(traced)  # each once
     # a line: the whole batch, one sample, the guess on the line and its neighbour; a kinked line: a few more
     assert len(traced) <= (4 if kink == 0 else 7), traced
+
+
+def test_a_smaller_micro_batch_of_a_traced_shape_is_known_to_fit_and_calibrates_when_asked() -> None:
+    from pathlib import Path
+
+    from autotune import load_target
+    from autotune._search.rank import SearchEstimator
+
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
+    estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cpu"))
+    estimator.baseline, estimator.calibrated = 100 * 2**20, True  # as if measured by the short run
+    at8 = estimator.tensors(Plan(micro_batch_size=8))
+    assert estimator.traced(Plan(micro_batch_size=8, num_workers=1)) and not estimator.traced(Plan(micro_batch_size=4))
+    bar = at8 + estimator.baseline  # micro-batch 8's least peak
+    assert estimator.known_under(Plan(micro_batch_size=4, num_workers=1), bar)  # smaller: under it, untraced
+    assert not estimator.known_under(Plan(micro_batch_size=4), bar - 1)
+    assert not estimator.known_under(Plan(micro_batch_size=16), bar)  # larger: not known
+    assert not estimator.known_under(Plan(micro_batch_size=4, activation_checkpointing=1.0), bar)  # another shape
+    assert not estimator.traced(Plan(micro_batch_size=4))
+    # A measurement at an untraced micro-batch waits until its shape's baseline is asked for, then is traced.
+    assert not estimator.calibrate(Plan(micro_batch_size=4), 150 * 2**20, lazily=True)
+    assert not estimator.traced(Plan(micro_batch_size=4))
+    baseline = estimator.baseline_for(Plan(micro_batch_size=32))
+    assert estimator.traced(Plan(micro_batch_size=4))
+    assert baseline == 150 * 2**20 - estimator.tensors(Plan(micro_batch_size=4))
+    assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 100 * 2**20  # other shapes: the first measured
+    # a traced plan calibrates at once, lazily or not
+    assert estimator.calibrate(Plan(micro_batch_size=8), 160 * 2**20, lazily=True)
+    assert estimator.baseline_for(Plan(micro_batch_size=8)) == 160 * 2**20 - at8

@@ -191,6 +191,14 @@ class Traces:
             self._done[micro] = _trace(self, micro)
         return self._done[micro].over(world, self.plan)
 
+    def traced(self, micro: int) -> bool:
+        """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
+        return micro in self._done
+
+    def traced_micro_batches(self) -> list[int]:
+        """The micro-batches traced so far."""
+        return list(self._done)
+
     def largest_fit(self, budget_bytes: int, world_size: int | None = None,
                     sizes: Sequence[int] | None = None) -> int | None:
         """The largest m of ``sizes`` (default 1..size, ascending) whose peak fits, for a peak that grows with m

@@ -23,7 +23,7 @@ import heapq
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autotune._plan.plan import Plan
@@ -171,14 +171,16 @@ class SearchEstimator:
         self.baseline = current_host_bytes() if device.type != "cuda" else 0  # until a trial has measured one
         self.calibrated = device.type == "cuda"
         self._shape_baselines: dict[str, tuple[int, int]] = {}  # shape: (micro-batch measured, its baseline)
+        self._pending: dict[str, list[tuple[Plan, int]]] = {}  # shape: measurements not calibrated from yet
         self._batch: Any = None
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
-    def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0) -> None:
+    def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0,
+                         meanwhile: Sequence[Plan] = ()) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
-        ``target`` at micro-batch 1 (two steps), its peak (resident set net of file pages) less its estimate. Nothing
-        on CUDA.
+        ``target`` at micro-batch 1, its peak (resident set net of file pages) less its estimate. Nothing on CUDA.
+        While that trial runs (only its memory counts, not its speed), its plan and then ``meanwhile`` are traced.
 
         Micro-batch 1, although it takes a pass per sample: its blocks are small, so the resident set is the process
         and its tensors. At a middling micro-batch glibc serves blocks under its mmap threshold (up to 32 MiB) from
@@ -189,8 +191,13 @@ class SearchEstimator:
         from autotune._search.trial import TrialSpec, run_trial
 
         plan = Plan(micro_batch_size=1)
+
+        def trace() -> None:
+            for each in (plan, *meanwhile):
+                self.tensors(each)
+
         result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None, device="cpu",
-                                     steps=1, warmup=1), timeout=timeout)
+                                     steps=1, warmup=1), timeout=timeout, while_running=trace)
         if result.status == "ok" and result.peak_bytes:
             self.calibrate(plan, result.peak_bytes)
         else:
@@ -202,10 +209,29 @@ class SearchEstimator:
         result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
         return None if result is _FAILED else result.predicted_peak_bytes
 
-    def calibrate(self, plan: Plan, measured_peak: int) -> bool:
+    def traced(self, plan: Plan) -> bool:
+        """Whether ``plan`` (its shape at its micro-batch) has been traced: its estimate costs nothing."""
+        traces = self._traces.get(_shape(plan).key())
+        return traces is not None and traces.traced(plan.micro_batch_size or traces.size)
+
+    def known_under(self, plan: Plan, limit_bytes: int) -> bool:
+        """Whether ``plan``'s least peak (:meth:`least_peak`) is known to be at most ``limit_bytes`` without tracing
+        it: a larger micro-batch of its shape, traced, is under the limit with the first baseline measured (the peak
+        grows with the micro-batch; the least peak takes at most that baseline)."""
+        traces = self._traces.get(_shape(plan).key())
+        if traces is None or plan.micro_batch_size is None:
+            return False
+        return any(traces.at(m).predicted_peak_bytes + self.baseline <= limit_bytes
+                   for m in traces.traced_micro_batches() if m >= plan.micro_batch_size)
+
+    def calibrate(self, plan: Plan, measured_peak: int, *, lazily: bool = False) -> bool:
         """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
-        largest seen). Returns whether the baseline changed."""
+        largest seen). Returns whether the baseline changed. ``lazily``: a plan not traced yet is kept until its
+        shape's baseline is asked for (:meth:`baseline_for`), and traced only then."""
         if self.device.type == "cuda":
+            return False
+        if lazily and self.calibrated and not self.traced(plan):
+            self._pending.setdefault(_shape(plan).key(), []).append((plan, measured_peak))
             return False
         predicted = self.tensors(plan)
         if predicted is None:
@@ -223,6 +249,8 @@ class SearchEstimator:
 
     def baseline_for(self, plan: Plan) -> int:
         """The process baseline under ``plan``'s tensors: its shape's if measured, else the first measured."""
+        for measured, peak in self._pending.pop(_shape(plan).key(), []):
+            self.calibrate(measured, peak)
         known = self._shape_baselines.get(_shape(plan).key())
         return self.baseline if known is None else known[1]
 

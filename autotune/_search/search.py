@@ -183,16 +183,19 @@ def search(
             raise NoFeasiblePlanError(_no_fit_message(the_study, parsed_budget, budget_bytes))
         best = the_study.trials[figure.trial]
         tokens = best.user_attrs.get("tokens_per_second")
-        plan = plan_from_params(
-            best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"), budget=str(parsed_budget),
-            **sharded_devices(best.params, devices),
+        measured = plan_from_params(best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"),
+                                    **sharded_devices(best.params, devices))
+        predicted = best.user_attrs.get("predicted_peak_bytes")  # None: it ran untraced
+        plan = measured.replace(
+            budget=str(parsed_budget),
             provenance=Provenance.here(
                 budget=str(parsed_budget), device_name=probe.name, device_total_bytes=probe.total_bytes,
                 samples_per_second=figure.samples_per_second, samples_per_second_interval=[figure.low, figure.high],
                 measurements=len(figure.runs),
                 tokens_per_second=tokens * figure.samples_per_second / best.user_attrs["samples_per_second"]
                 if tokens else None,
-                peak_bytes=figure.peak_bytes, predicted_peak_bytes=best.user_attrs.get("predicted_peak_bytes"),
+                peak_bytes=figure.peak_bytes,
+                predicted_peak_bytes=predicted if predicted is not None else runner.predict(measured),
                 command=command, produced_by=f"search (study '{name}', trial {best.number})",
                 trainer_settings=best.user_attrs.get("trainer_settings") or {},
             ),
@@ -246,13 +249,18 @@ class _Objective:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
-        self._auto_cache: dict[tuple[Any, ...], int] = {}
+        self._auto_cache: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch, and baseline
         self.estimator = SearchEstimator(target_obj, device)
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
         holds besides the tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
-        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout)
+        seeds = [plan_from_params(p, micro_batch_size=None if p.get("micro_batch_size") == AUTO else
+                                  p.get("micro_batch_size"), **sharded_devices(p, self.devices)) for p in self.space.seeds]
+        # the seeds are the first trials: their traces (an ``auto`` one's starts at the whole batch) are made while
+        # the short run measures memory
+        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout,
+                                        meanwhile=seeds)
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
         """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
@@ -299,11 +307,15 @@ class _Objective:
         cached = self._cached(trial, plan)
         if cached is not None:
             return self._record(trial, cached, source="cache")
-        predicted = self._predict(plan)
+        # A plan whose least peak is known to be under the rejection bar (a larger micro-batch of its shape is) runs
+        # untraced, unless its trace is at hand; its measurement calibrates its shape when that is next asked for.
+        limit = ESTIMATE_REJECT_FACTOR * self.budget_bytes
+        bounded = not self.estimator.traced(plan) and self.estimator.known_under(plan, int(limit))
+        predicted = None if bounded else self.predict(plan)
         if predicted is not None:
             trial.set_user_attr("predicted_peak_bytes", predicted)
             least = self.estimator.least_peak(plan)
-            if least is not None and least > ESTIMATE_REJECT_FACTOR * self.budget_bytes:
+            if least is not None and least > limit:
                 result = TrialResult("oom", peak_bytes=least,
                                      reason=f"estimated peak {format_bytes(least)} is far over the budget")
                 return self._record(trial, result, source="estimate")
@@ -312,8 +324,8 @@ class _Objective:
         result = run_trial(spec, timeout=self.trial_timeout)
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
-        if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes):
-            self._auto_cache.clear()  # later 'auto' choices use the measured baseline
+        if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
+                                                                                     lazily=True):
             if params.get("micro_batch_size") == AUTO and self._auto_micro(params) > micro:
                 # measured, the shape has room for a larger micro-batch than predicted: try 'auto' again, next
                 trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
@@ -365,15 +377,18 @@ class _Objective:
         ranked = figures(study, self.budget_bytes)
         return EARLY_STOP_SHARE * ranked[1].low if len(ranked) >= 2 else None
 
-    def _predict(self, plan: Plan) -> int | None:
-        return self.estimator.peak(plan)  # per rank: a sharded plan's devices are its world size
+    def predict(self, plan: Plan) -> int | None:
+        """The estimator's peak of ``plan`` in the search's measure (per rank: a sharded plan's devices are its world
+        size); None when it cannot tell."""
+        return self.estimator.peak(plan)
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
         """``auto``: the largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal
         sizes: 8 rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
-        key = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+        plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
+        # by the baseline too: a measurement of the shape moves it, and the choice with it
+        key = (*sorted((k, v) for k, v in params.items() if k != "micro_batch_size"), self.estimator.baseline_for(plan))
         if key not in self._auto_cache:
-            plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
             self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
         return self._auto_cache[key]
 

@@ -15,6 +15,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,11 @@ def _start_forkserver_deaf_to_ctrl_c() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
-    """Run ``spec`` in a fresh process and return what it measured; never raises for the trial's own failures."""
+def run_trial(spec: TrialSpec, *, timeout: float = 600.0,
+              while_running: Callable[[], Any] | None = None) -> TrialResult:
+    """Run ``spec`` in a fresh process and return what it measured; never raises for the trial's own failures.
+    ``while_running`` is called once the process has started (work of this process that does not disturb what the
+    trial measures)."""
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="autotune-trial-") as tmp:
         out = Path(tmp) / "result.json"
@@ -143,7 +147,9 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0) -> TrialResult:
         proc = ctx.Process(target=_child, args=(spec, str(out), launched), daemon=False)
         try:
             proc.start()
-            proc.join(timeout)
+            if while_running is not None:
+                while_running()
+            proc.join(max(0.0, timeout - (time.time() - launched)))
         except KeyboardInterrupt:  # Ctrl-C: the trial (and its ranks) end with the search, not after it
             if proc.pid is not None:
                 _kill_tree(proc.pid)
