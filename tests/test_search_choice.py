@@ -256,8 +256,10 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
     assert estimator.calibrate(Plan(micro_batch_size=8, num_workers=1), 110)  # baseline 100 for the plain shape
     assert estimator.calibrate(Plan(micro_batch_size=8, activation_checkpointing=1.0), 124)  # 120 when recomputing
     assert not estimator.calibrate(Plan(micro_batch_size=8), 105)  # a smaller figure at one micro-batch: kept
-    assert not estimator.calibrate(Plan(micro_batch_size=2), 113)  # a smaller micro-batch speaks less for the shape
+    assert estimator.calibrate(Plan(micro_batch_size=2), 97)  # 94 at micro-batch 2
     assert estimator.baseline_for(Plan(micro_batch_size=32)) == 100  # the shape's own: the workers do not matter
+    assert estimator.baseline_for(Plan(micro_batch_size=6)) == 98  # between 2 and 8, on the line
+    assert estimator.baseline_for(Plan(micro_batch_size=1)) == 94  # below the measured: the nearest
     assert estimator.baseline_for(Plan(micro_batch_size=4, activation_checkpointing=1.0)) == 120
     assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 100  # not measured: the first measured
     # a plan is rejected unmeasured on its least peak: the first measured baseline where its shape's is larger

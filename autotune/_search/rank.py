@@ -155,8 +155,9 @@ class SearchEstimator:
     The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), the estimator
     counts tensor bytes: on CPU the process baseline is added, measured by a short trial before the search (its peak
     less its estimate). Each measured trial then gives its plan's shape (the plan without its micro-batch and dataloader
-    settings) a baseline of its own, from its measurement at the largest micro-batch (nearest the budget, where ``auto``
-    decides): the estimator's error differs between shapes (checkpointing's recomputation leaves more behind in the
+    settings) a baseline of its own at that micro-batch, interpolated between the micro-batches measured
+    (:func:`interpolated`; the short run measures the default shape at micro-batch 1): the estimator's error differs
+    between shapes and grows with the micro-batch (checkpointing's recomputation leaves more behind in the
     resident set than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold
     can leave far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet
     takes the first baseline measured (the short run's). On CUDA the trial's allocator is capped at the budget, which is
@@ -170,7 +171,9 @@ class SearchEstimator:
         self.target, self.device = target, device
         self.baseline = current_host_bytes() if device.type != "cuda" else 0  # until a trial has measured one
         self.calibrated = device.type == "cuda"
-        self._shape_baselines: dict[str, tuple[int, int]] = {}  # shape: (micro-batch measured, its baseline)
+        self._shape_baselines: dict[str, dict[int, int]] = {}  # shape: {micro-batch measured: its baseline}
+        self.calibrations = 0  # how many measurements have changed a baseline (what 'auto' choices depend on)
+        self._first_micro = 1  # the micro-batch of the first measurement (the short run's)
         self._pending: dict[str, list[tuple[Plan, int]]] = {}  # shape: measurements not calibrated from yet
         self._batch: Any = None
         self._warned = False
@@ -225,9 +228,10 @@ class SearchEstimator:
                    for m in traces.traced_micro_batches() if m >= plan.micro_batch_size)
 
     def calibrate(self, plan: Plan, measured_peak: int, *, lazily: bool = False) -> bool:
-        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it (the
-        largest seen). Returns whether the baseline changed. ``lazily``: a plan not traced yet is kept until its
-        shape's baseline is asked for (:meth:`baseline_for`), and traced only then."""
+        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it, for its
+        shape at its micro-batch (the larger of two at one micro-batch). Returns whether a baseline changed.
+        ``lazily``: a plan not traced yet is kept until its shape's baseline is asked for (:meth:`baseline_for`), and
+        traced only then."""
         if self.device.type == "cuda":
             return False
         if lazily and self.calibrated and not self.traced(plan):
@@ -236,23 +240,30 @@ class SearchEstimator:
         predicted = self.tensors(plan)
         if predicted is None:
             return False
-        baseline, key, micro = measured_peak - predicted, _shape(plan).key(), plan.micro_batch_size or 0
-        known = self._shape_baselines.get(key)
-        # the measurement nearest the budget speaks for the shape: the largest micro-batch (the larger baseline of
-        # two at one micro-batch)
-        changed = known is None or (micro, baseline) > known
+        baseline, micro = measured_peak - predicted, plan.micro_batch_size or self.target.batch_size()
+        known = self._shape_baselines.setdefault(_shape(plan).key(), {})
+        changed = baseline > known.get(micro, -math.inf)
         if changed:
-            self._shape_baselines[key] = (micro, baseline)
+            known[micro] = baseline
+            self.calibrations += 1
         if not self.calibrated:  # the first measurement (the search's short run before its trials) speaks for all
-            self.baseline, self.calibrated = baseline, True
+            self.baseline, self.calibrated, self._first_micro = baseline, True, micro
         return changed
 
+    def _points(self, key: str) -> dict[int, int]:
+        """A shape's baselines by micro-batch: its own measurements, over the first measured at its micro-batch (the
+        short run's at micro-batch 1: the process with few tensors, which any shape has below its own)."""
+        own = self._shape_baselines.get(key, {})
+        return {self._first_micro: self.baseline, **own} if own and self.calibrated else own
+
     def baseline_for(self, plan: Plan) -> int:
-        """The process baseline under ``plan``'s tensors: its shape's if measured, else the first measured."""
-        for measured, peak in self._pending.pop(_shape(plan).key(), []):
+        """The process baseline under ``plan``'s tensors: its shape's if measured (:func:`interpolated` over the
+        micro-batches measured), else the first measured."""
+        key = _shape(plan).key()
+        for measured, peak in self._pending.pop(key, []):
             self.calibrate(measured, peak)
-        known = self._shape_baselines.get(_shape(plan).key())
-        return self.baseline if known is None else known[1]
+        known = self._points(key)
+        return interpolated(known, plan.micro_batch_size or math.inf) if known else self.baseline  # None: whole batch
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
@@ -291,13 +302,36 @@ class SearchEstimator:
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit, evened out (:func:`even_micro_batches`); 1 when none is, the
         whole batch when the estimator fails."""
-        room = budget_bytes - self.baseline_for(plan)
-        if room <= 0:
-            return 1
-        micro = self._call(lambda traces: traces.largest_fit(room, sizes=even_micro_batches(traces.size)), plan)
+        from autotune._estimate.trace import largest_fitting
+
+        self.baseline_for(plan)  # calibrates from the shape's measurements kept until now, before tracing
+        known = self._points(_shape(plan).key())
+
+        def peak(traces: Any, m: int) -> int:
+            return traces.at(m).predicted_peak_bytes + (interpolated(known, m) if known else self.baseline)
+
+        micro = self._call(lambda traces: largest_fitting(even_micro_batches(traces.size),
+                                                          lambda m: peak(traces, m), budget_bytes), plan)
         if micro is _FAILED:
             return batch_size
         return 1 if micro is None else int(micro)
+
+
+def interpolated(points: dict[int, int], micro: float) -> int:
+    """A shape's baseline at ``micro`` from those measured at other micro-batches (``points``): on the line between
+    the two measured either side of it, else the nearest measured. The resident set grows faster with the
+    micro-batch than the tensors do (the allocator keeps more), so a baseline measured at one micro-batch over-states
+    smaller ones and under-states larger ones.
+
+    Example:
+        >>> interpolated({1: 100, 11: 110, 16: 120}, 8), interpolated({1: 100, 11: 110}, 32)
+        (107, 110)
+    """
+    below = max((m for m in points if m <= micro), default=None)
+    above = min((m for m in points if m >= micro), default=None)
+    if below is None or above is None or below == above:
+        return points[below if above is None else above]
+    return round(points[below] + (points[above] - points[below]) * (micro - below) / (above - below))
 
 
 def even_micro_batches(batch_size: int) -> list[int]:

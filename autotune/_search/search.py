@@ -256,7 +256,8 @@ class _Objective:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
         holds besides the tensors the estimator counts (see :meth:`SearchEstimator.measure_baseline`)."""
         seeds = [plan_from_params(p, micro_batch_size=None if p.get("micro_batch_size") == AUTO else
-                                  p.get("micro_batch_size"), **sharded_devices(p, self.devices)) for p in self.space.seeds]
+                                  p.get("micro_batch_size"), **sharded_devices(p, self.devices))
+                 for p in self.space.seeds]
         # the seeds are the first trials: their traces (an ``auto`` one's starts at the whole batch) are made while
         # the short run measures memory
         self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout,
@@ -386,8 +387,9 @@ class _Objective:
         """``auto``: the largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal
         sizes: 8 rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
         plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
-        # by the baseline too: a measurement of the shape moves it, and the choice with it
-        key = (*sorted((k, v) for k, v in params.items() if k != "micro_batch_size"), self.estimator.baseline_for(plan))
+        self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
+        # and by the calibrations: a measurement moves the baselines, and the choice with them
+        key = (*sorted((k, v) for k, v in params.items() if k != "micro_batch_size"), self.estimator.calibrations)
         if key not in self._auto_cache:
             self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
         return self._auto_cache[key]

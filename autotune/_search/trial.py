@@ -150,7 +150,7 @@ def run_trial(spec: TrialSpec, *, timeout: float = 600.0,
             if while_running is not None:
                 while_running()
             proc.join(max(0.0, timeout - (time.time() - launched)))
-        except KeyboardInterrupt:  # Ctrl-C: the trial (and its ranks) end with the search, not after it
+        except BaseException:  # Ctrl-C, or ``while_running`` failed: the trial (and its ranks) end with the caller
             if proc.pid is not None:
                 _kill_tree(proc.pid)
                 proc.join()
