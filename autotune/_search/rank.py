@@ -250,20 +250,20 @@ class SearchEstimator:
             self.baseline, self.calibrated, self._first_micro = baseline, True, micro
         return changed
 
-    def _points(self, key: str) -> dict[int, int]:
-        """A shape's baselines by micro-batch: its own measurements, over the first measured at its micro-batch (the
-        short run's at micro-batch 1: the process with few tensors, which any shape has below its own)."""
-        own = self._shape_baselines.get(key, {})
-        return {self._first_micro: self.baseline, **own} if own and self.calibrated else own
-
     def baseline_for(self, plan: Plan) -> int:
         """The process baseline under ``plan``'s tensors: its shape's if measured (:func:`interpolated` over the
         micro-batches measured), else the first measured."""
         key = _shape(plan).key()
         for measured, peak in self._pending.pop(key, []):
             self.calibrate(measured, peak)
-        known = self._points(key)
-        return interpolated(known, plan.micro_batch_size or math.inf) if known else self.baseline  # None: whole batch
+        return self._baseline_at(key, plan.micro_batch_size or math.inf)  # None: the whole batch
+
+    def _baseline_at(self, key: str, micro: float) -> int:
+        """Shape ``key``'s baseline at ``micro``: between its own measurements, over the first measured at its
+        micro-batch (the short run's at micro-batch 1: the process with few tensors, which any shape has below its
+        own); the first measured for a shape not measured."""
+        own = self._shape_baselines.get(key)
+        return interpolated({self._first_micro: self.baseline, **own}, micro) if own else self.baseline
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
@@ -305,10 +305,10 @@ class SearchEstimator:
         from autotune._estimate.trace import largest_fitting
 
         self.baseline_for(plan)  # calibrates from the shape's measurements kept until now, before tracing
-        known = self._points(_shape(plan).key())
+        key = _shape(plan).key()
 
         def peak(traces: Any, m: int) -> int:
-            return traces.at(m).predicted_peak_bytes + (interpolated(known, m) if known else self.baseline)
+            return traces.at(m).predicted_peak_bytes + self._baseline_at(key, m)
 
         micro = self._call(lambda traces: largest_fitting(even_micro_batches(traces.size),
                                                           lambda m: peak(traces, m), budget_bytes), plan)
