@@ -191,6 +191,10 @@ def fresh_context() -> Any:
 def _fresh_child(fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:
     """In the fresh process: ``fn(*args)``, its JSON-safe result written to ``out``."""
     warnings.filterwarnings("ignore")
+    # its own processes start the platform's default way, as a search trial's do (autotune/_search/trial.py): a
+    # forkserver child's queues register semaphores with this benchmark's resource tracker, which the quick exit
+    # below leaves behind ("leaked semaphore objects" at the end of the run)
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     result = fn(*args)
     Path(out).write_text(json.dumps(result))
     os._exit(0)
