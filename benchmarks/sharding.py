@@ -10,7 +10,7 @@
 2. Step time of ElasticBatchSize under FSDP2 (4 micro-batches per step) vs Lightning's own accumulation of 4
    (same sharding by ApplyPlan, same samples), in alternating fresh 2-rank runs; goal <= 1.02x.
 
-    python benchmarks/sharding.py            # about 3 minutes on a 2-core CPU
+    python benchmarks/sharding.py            # 3 to 10 minutes on a 2-core CPU
     python benchmarks/sharding.py --quick    # the small size only, 1 repeat
 """
 
