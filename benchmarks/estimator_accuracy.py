@@ -21,7 +21,7 @@ second step is measured. Seeds are fixed.
 
 Usage::
 
-    python benchmarks/estimator_accuracy.py --device cpu              # about 15 minutes on a 2-core CPU
+    python benchmarks/estimator_accuracy.py --device cpu              # about 2 minutes on a 2-core CPU
     python benchmarks/estimator_accuracy.py --device cpu --quick
     python benchmarks/estimator_accuracy.py --device cuda --json estimator_accuracy_cuda.json
 
