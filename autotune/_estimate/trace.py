@@ -199,11 +199,9 @@ class Traces:
         """The micro-batches traced so far."""
         return list(self._done)
 
-    def largest_fit(self, budget_bytes: int, world_size: int | None = None,
-                    sizes: Sequence[int] | None = None) -> int | None:
-        """The largest m of ``sizes`` (default 1..size, ascending) whose peak fits, for a peak that grows with m
-        (:func:`largest_fitting`)."""
-        return largest_fitting(sizes or range(1, self.size + 1),
+    def largest_fit(self, budget_bytes: int, world_size: int | None = None) -> int | None:
+        """The largest micro-batch (1..size) whose peak fits, for a peak growing with it (:func:`largest_fitting`)."""
+        return largest_fitting(range(1, self.size + 1),
                                lambda m: self.at(m, world_size).predicted_peak_bytes, budget_bytes)
 
 
