@@ -318,3 +318,8 @@ def test_a_smaller_micro_batch_of_a_traced_shape_is_known_to_fit_and_calibrates_
     # a traced plan calibrates at once, lazily or not
     assert estimator.calibrate(Plan(micro_batch_size=8), 160 * 2**20, lazily=True)
     assert estimator.baseline_for(Plan(micro_batch_size=8)) == 160 * 2**20 - at8
+    # the whole batch (no micro-batch) is measured at the traces' batch size, above every micro-batch measured
+    whole = estimator.tensors(Plan())
+    assert estimator.calibrate(Plan(), 200 * 2**20)
+    assert estimator.baseline_for(Plan()) == 200 * 2**20 - whole
+    assert estimator.baseline_for(Plan(micro_batch_size=8)) == 160 * 2**20 - at8  # its neighbours keep their own

@@ -240,8 +240,9 @@ class SearchEstimator:
         predicted = self.tensors(plan)
         if predicted is None:
             return False
-        baseline, micro = measured_peak - predicted, plan.micro_batch_size or self.target.batch_size()
-        known = self._shape_baselines.setdefault(_shape(plan).key(), {})
+        key = _shape(plan).key()
+        baseline, micro = measured_peak - predicted, plan.micro_batch_size or self._traces[key].size  # traced above
+        known = self._shape_baselines.setdefault(key, {})
         changed = baseline > known.get(micro, -math.inf)
         if changed:
             known[micro] = baseline
