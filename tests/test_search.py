@@ -380,6 +380,24 @@ def test_measure_plan_runs_one_plan_as_a_trial_does() -> None:
     assert oom.status == "oom" and "Out of memory at the minimum micro-batch" in oom.reason  # a result, not raised
 
 
+def test_a_trial_ends_with_the_parents_work_when_that_work_fails() -> None:
+    import multiprocessing
+
+    from autotune._search.trial import TrialSpec, run_trial
+
+    started: list[multiprocessing.process.BaseProcess] = []
+
+    def trace() -> None:  # the parent's work beside the trial (the search traces while the short run measures)
+        started.extend(multiprocessing.active_children())
+        raise RuntimeError("tracing broke")
+
+    spec = TrialSpec(target=f"{FIXTURE}:make", config=None, plan={"micro_batch_size": 8}, budget=None, device="cpu",
+                     steps=10_000, warmup=1)  # would run for minutes
+    with pytest.raises(RuntimeError, match="tracing broke"):
+        run_trial(spec, timeout=300, while_running=trace)
+    assert len(started) == 1 and not started[0].is_alive()  # the trial was running, and was ended before the raise
+
+
 @pytest.mark.slow
 def test_a_trials_flops_per_sample_are_a_whole_steps_over_its_samples() -> None:
     from torch.utils.flop_counter import FlopCounterMode
