@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,12 @@ class ElasticBatchSize(Callback):
     ``grow_after`` clean steps with room to spare, the micro-batch is doubled again (never above the batch); if
     that fails, it goes back and waits twice as long before the next try.
 
+    Batches whose memory follows their shape (dynamic padding, mixed resolutions) are split by shape: once a batch's
+    sample size (its elements per sample, e.g. the padded length) differs from the first batch's, each step runs at
+    the largest micro-batch that a memory model of the step, learned online from the micro-batches that ran, the
+    out-of-memory errors and the measured peaks, predicts to fit *this* batch; short batches are not held to the long
+    ones' micro-batch. See docs/elastic.md ("Batches of varying shape").
+
     Args:
         budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's total
             like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only. On CUDA the budget is a
@@ -45,6 +52,9 @@ class ElasticBatchSize(Callback):
             :class:`~autotune.OutOfMemoryAtMinimumError`.
         grow: whether to try larger micro-batches again after clean steps.
         grow_after: clean steps before the first try to grow (doubled after each failed try).
+        sample_size: a function of the (host) batch returning its size per sample (a positive number, e.g. the padded
+            sequence length) for batches whose structure does not show it; by default the elements per sample of the
+            batch's tensors whose first dimension is the batch size.
         protect_update: make an OOM inside ``optimizer.step`` replayable. Updates that create optimizer state (the
             first one, parameters added or unfrozen later: the ones that allocate the most) are preceded by a host
             copy of the parameters and state they change, freed once the update succeeds; steady-state updates copy
@@ -72,8 +82,12 @@ class ElasticBatchSize(Callback):
         grow: bool = True,
         grow_after: int = 50,
         protect_update: bool = True,
+        sample_size: Callable[[Any], float] | None = None,
     ) -> None:
         _check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
+        if sample_size is not None and not callable(sample_size):
+            raise ValueError(f"`sample_size` must be a function of the batch returning its size per sample, or None; "
+                             f"got {sample_size!r}")
         _check_positive_int("min_micro_batch_size", min_micro_batch_size, allow_none=False)
         _check_positive_int("grow_after", grow_after, allow_none=False)
         if micro_batch_size is not None and micro_batch_size < min_micro_batch_size:
@@ -86,6 +100,7 @@ class ElasticBatchSize(Callback):
         self.grow = bool(grow)
         self.grow_after = grow_after
         self.protect_update = bool(protect_update)
+        self.sample_size = sample_size
         self.engine: ElasticEngine | None = None
         self._pending_state: dict[str, Any] | None = None
         self._restore: list[tuple[Any, str, bool, Any]] = []
@@ -153,6 +168,7 @@ class ElasticBatchSize(Callback):
             world_size=trainer.world_size,
             log_fn=pl_module.log,
             sharded=isinstance(trainer.strategy, ModelParallelStrategy),
+            sample_size=self.sample_size,
         )
         self.engine.logs.owner = pl_module
         if self._pending_state is not None:
@@ -263,6 +279,12 @@ class ElasticBatchSize(Callback):
             "autotune/over_budget_events": float(engine.over_budget_events),
             "autotune/peak_memory_gib": engine.last_peak_bytes / 2**30,
         }
+        shapes = engine.shapes
+        if shapes.varies:  # split by shape: the sample size, tokens per micro-batch and the peak the model predicted
+            metrics["autotune/sample_size"] = shapes.size
+            metrics["autotune/tokens_per_micro_batch"] = shapes.size * min(engine.micro_batch_size, engine.batch_size or 1)
+            if shapes.predicted_peak_bytes:
+                metrics["autotune/predicted_peak_gib"] = shapes.predicted_peak_bytes / 2**30
         for name, value in metrics.items():
             engine.logs.log_fn(name, value, on_step=True, on_epoch=False, batch_size=1)
 

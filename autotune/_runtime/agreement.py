@@ -49,10 +49,11 @@ class Agreement:
         self.votes += 1
         return t.tolist()
 
-    def vote(self, params: list[torch.nn.Parameter], *, failed: bool, count: int) -> tuple[bool, bool, list[bool]]:
+    def vote(self, params: list[torch.nn.Parameter], *, failed: bool, batch_size: int,
+             shaped: bool) -> tuple[bool, bool, list[bool], bool]:
         """The step's one agreement, before any gradient collective: whether any rank ``failed`` (ran out of memory),
-        whether every rank split its batch into ``count`` micro-batches, and which parameters got a gradient on some
-        rank.
+        whether every rank had a batch of ``batch_size`` samples, which parameters got a gradient on some rank, and
+        whether any rank is ``shaped`` (its batches' sample sizes vary: it splits by its own shape).
 
         Gradients of parameters that were reduced last step but have none here are made zeros before the vote, and
         the bucket buffers sized, so the usual step allocates nothing after it; an OOM doing so is this rank's
@@ -69,15 +70,16 @@ class Agreement:
                 if not is_oom_error(exc):
                     raise
                 failed = True
-        values = [float(failed), float(count), float(-count), *(1.0 if used else 0.0 for used in local)]
+        values = [float(failed), float(batch_size), float(-batch_size), float(shaped),
+                  *(1.0 if used else 0.0 for used in local)]
         reduced = self.max(*values)
-        any_failed, most, least = reduced[0] > 0, int(reduced[1]), int(-reduced[2])
-        used = [u > 0 for u in reduced[3:]]
+        any_failed, most, least, any_shaped = reduced[0] > 0, int(reduced[1]), int(-reduced[2]), reduced[3] > 0
+        used = [u > 0 for u in reduced[4:]]
         index = {id(p): i for i, p in enumerate(params)} if made else {}
         for p in made:
             if not used[index[id(p)]]:
                 p.grad = None  # a zero made for a parameter no rank used this step: leave it out, as DDP does
-        return any_failed, most == least, used
+        return any_failed, most == least, used, any_shaped
 
     def _prepare(self, params: list[torch.nn.Parameter], used: list[bool]) -> list[torch.nn.Parameter]:
         """Zeros for the gradients of ``used`` parameters that have none, and bucket buffers for the ``used``

@@ -52,6 +52,38 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def sample_size_of(batch: Any, size: int) -> float:
+    """Elements per sample in a batch of ``size`` samples: over every tensor whose first dimension is ``size``, the
+    product of its other dimensions (sequence length, channels x height x width), summed; 1.0 when there is none.
+
+    With dynamic padding it follows the batch's padded length; with mixed resolutions, its image size.
+
+    Example:
+        >>> sample_size_of({"input_ids": torch.zeros(4, 9), "mask": torch.zeros(4, 9), "label": torch.zeros(4)}, 4)
+        19.0
+    """
+    return _elements_per_sample(batch, size) or 1.0
+
+
+def _elements_per_sample(batch: Any, size: int) -> float:
+    if isinstance(batch, _ARRAY_TYPES):
+        if batch.ndim > 0 and batch.shape[0] == size:
+            per_sample = 1
+            for d in batch.shape[1:]:
+                per_sample *= int(d)
+            return float(per_sample)
+        return 0.0
+    if isinstance(batch, Mapping):
+        children: Any = batch.values()
+    elif _is_dataclass_instance(batch):
+        children = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        children = batch
+    else:
+        return 0.0
+    return sum(_elements_per_sample(child, size) for child in children)
+
+
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     """Samples ``start:stop`` of a batch of ``size`` samples, keeping its structure.
 
@@ -93,6 +125,18 @@ def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     micro = max(1, min(micro_batch_size, batch_size))
     full, rest = divmod(batch_size, micro)
     return [micro] * full + ([rest] if rest else [])
+
+
+def split_even(batch_size: int, count: int) -> list[int]:
+    """``batch_size`` samples in exactly ``count`` micro-batches as even as can be, larger ones first (FSDP2: the
+    ranks run the same number of micro-batches, whatever each one's own split would be).
+
+    Example:
+        >>> split_even(32, 3)
+        [11, 11, 10]
+    """
+    base, extra = divmod(batch_size, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 def scale_loss(loss: Tensor, *, sizes: list[int], index: int) -> Tensor:

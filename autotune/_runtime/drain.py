@@ -158,12 +158,15 @@ class CollectiveDrain:
         """Whether this rank lacks the schedule of a kind that ``count`` micro-batches need, or one changed lately."""
         return self._changed or any(kind not in self.schedules for kind in micro_batch_kinds(count))
 
-    def start_attempt(self, agree: Agreement, count: int) -> bool:
-        """An attempt at the step in ``count`` micro-batches begins. One collective: whether every rank splits into
-        ``count`` (returned), and whether some rank lacks a schedule the attempt needs (then every call is
-        published, for a failing rank to follow)."""
-        most, least, lacks = agree.max(float(count), float(-count), float(self.lacks(count)))
-        publish = lacks > 0
+    def start_attempt(self, agree: Agreement, count: int, shaped: bool) -> tuple[int, bool]:
+        """An attempt at the step begins, this rank wanting ``count`` micro-batches. One collective: the count every
+        rank runs (the largest wanted: each FSDP2 micro-batch gathers parameters, so all run alike), whether any rank
+        is ``shaped`` (splits by its batches' varying shape), and whether some rank lacks a schedule the attempt needs
+        (then every call is published, for a failing rank to follow)."""
+        wanted = (1, 2, 3)  # the kinds of micro-batches differ for 1, 2 and 3 or more
+        most, any_shaped, *lacks = agree.max(float(count), float(shaped), *(float(self.lacks(k)) for k in wanted))
+        count = int(most)
+        publish = lacks[min(count, 3) - 1] > 0
         self._count = count
         self._failed = None
         self._changed = False
@@ -172,7 +175,7 @@ class CollectiveDrain:
         self._publish = publish
         if publish:
             self._store = dist.PrefixStore("autotune/drain/", default_store())
-        return most == -least
+        return count, any_shaped > 0
 
     def begin(self, index: int) -> None:
         """Micro-batch ``index`` begins: log its calls."""

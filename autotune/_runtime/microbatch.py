@@ -23,9 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from autotune._compat import closure_result, forget_scaler_steps, set_closure_result
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.drain import CollectiveDrain
-from autotune._runtime.batch import batch_size_of, combine_outputs, scale_step_output, slice_batch, split_sizes
+from autotune._runtime.batch import (
+    batch_size_of, combine_outputs, scale_step_output, slice_batch, split_even, split_sizes,
+)
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
+from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
 from autotune._device.meter import MemoryMeter
 from autotune._runtime.state import (
@@ -123,6 +126,7 @@ class ElasticEngine:
         world_size: int,
         log_fn: Callable[..., Any],
         sharded: bool = False,
+        sample_size: Callable[[Any], float] | None = None,
     ) -> None:
         self.micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
@@ -140,6 +144,7 @@ class ElasticEngine:
         self.snapshot = UpdateSnapshot()
         self.sharded = sharded  # FSDP2: the module's own reduce-scatter; an OOM is drained, voted and replayed
         self.drain = CollectiveDrain() if sharded else None
+        self.shapes = ShapeSplit(sample_size=sample_size, min_micro_batch_size=min_micro_batch_size)
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None
@@ -167,6 +172,8 @@ class ElasticEngine:
         self.batch_size = batch_size_of(batch)
         self.sizes = [self.batch_size] if self.batch_size else []
         self.index = 0
+        if self.batch_size:
+            self.shapes.start(batch, self.batch_size)
 
     def micro_part(self, batch: Any) -> tuple[Any, bool]:
         """The current micro-batch of ``batch`` and whether the batch is being split at all."""
@@ -204,11 +211,8 @@ class ElasticEngine:
         static = self.meter.start()
         replayed = False
         while True:
-            micro = min(self.micro_batch_size, n)
-            self.sizes = split_sizes(n, micro)
-            if self.drain is not None and self.agree.enabled and not self.drain.start_attempt(self.agree,
-                                                                                              len(self.sizes)):
-                raise RuntimeError(_DIFFERENT_SPLITS)  # each FSDP2 forward gathers parameters: ranks must run alike
+            self.sizes = self._split(n, replayed)
+            micro = self.sizes[0]
             self.phase = "closure"
             self.logs.start()
             failed_in = ""
@@ -224,14 +228,14 @@ class ElasticEngine:
                 failed_in = self.phase
                 if failed_in == "update":
                     self._check_replayable(optimizer, cause=exc)
-                next_micro = self._shrink(micro)
+                next_micro = self._shrink(micro, n, peer=isinstance(exc, PeerOutOfMemory))
                 if next_micro is None:
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
                 cause = exc
             else:
                 if self.agree.enabled and self.update_protected and self.agree.any(False):
                     failed_in = "update"  # a peer failed in its protected update: undo ours too
-                    next_micro = self._shrink(micro)
+                    next_micro = self._shrink(micro, n, peer=True)
                     if next_micro is None:
                         raise self._floor_error(n, micro, failed_in, peer=True)
             if not failed_in:
@@ -259,6 +263,27 @@ class ElasticEngine:
             self.snapshot.release()  # the protected update succeeded: steady-state steps hold no host copy
         self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
+
+    def _split(self, n: int, replayed: bool) -> list[int]:
+        """This attempt's micro-batch sizes: from the shape model once this rank's sample sizes vary (a larger one
+        tried when growing is due), else the running micro-batch; under FSDP2 the count every rank runs."""
+        if self.shapes.varies:
+            if not replayed:
+                self.micro_batch_size = self.shapes.micro(n)
+                if self.grow and self.clean_steps >= self.grow_wait:
+                    larger = self.shapes.micro(n, probe=True)  # what ran before a failure that may have passed
+                    if larger > self.micro_batch_size:
+                        self.growing_from, self.micro_batch_size = self.micro_batch_size, larger
+                        self.clean_steps = 0
+        sizes = split_sizes(n, min(self.micro_batch_size or n, n))
+        if self.drain is not None and self.agree.enabled:
+            count, shaped = self.drain.start_attempt(self.agree, len(sizes), self.shapes.varies)
+            self.shapes.agreed = self.shapes.agreed or shaped
+            if count != len(sizes):
+                if count > n:
+                    raise RuntimeError(_DIFFERENT_SPLITS)  # each FSDP2 forward gathers parameters: ranks run alike
+                sizes = split_even(n, count)
+        return sizes
 
     def _prepare_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Right before the update: a host copy of what it changes when it creates optimizer state (those updates
@@ -344,8 +369,11 @@ class ElasticEngine:
         return run_micro_batches
 
     def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None) -> None:
-        """The step's one collective: did any rank run out of memory, do all split alike, which gradients to reduce."""
-        failed, same_split, self._used = self.agree.vote(params, failed=failure is not None, count=len(self.sizes))
+        """The step's one collective: did any rank run out of memory, have all the same batch size, which gradients to
+        reduce, does any split by shape."""
+        failed, same_split, self._used, shaped = self.agree.vote(
+            params, failed=failure is not None, batch_size=sum(self.sizes), shaped=self.shapes.varies)
+        self.shapes.agreed = self.shapes.agreed or shaped
         if failed:
             if failure is not None:
                 raise failure
@@ -353,13 +381,21 @@ class ElasticEngine:
         if not same_split:
             raise RuntimeError(_DIFFERENT_SPLITS)
 
-    def _shrink(self, micro: int) -> int | None:
-        """The micro-batch to replay with after an OOM at ``micro``; None when nothing smaller is allowed."""
+    def _shrink(self, micro: int, n: int, *, peer: bool = False) -> int | None:
+        """The micro-batch to replay with after an OOM at ``micro`` (this rank's, or a ``peer``'s); None when nothing
+        smaller is allowed. With varying sample sizes: what the shape model, told of the failure, says fits for sure
+        (a peer's failure leaves this rank's split as it was)."""
+        if not peer:
+            self.shapes.model.failed(micro, self.shapes.size)
         if self.growing_from is not None and self.growing_from < micro:
             return self.growing_from
         self.growing_from = None  # the grow did not apply to this (short) batch: an ordinary OOM
+        if self.shapes.varies and peer:
+            return micro
         if micro <= self.min_micro_batch_size:
             return None
+        if self.shapes.varies:
+            return max(self.min_micro_batch_size, min(micro - 1, self.shapes.micro(n, confidence=1.0)))
         return max(self.min_micro_batch_size, micro // 2)
 
     def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
@@ -369,13 +405,22 @@ class ElasticEngine:
             self.growing_from = None
         self.clean_steps += int(clean)  # a replayed step is not a clean one
         soft = self.budget_bytes is not None and not self.hard_budget
-        grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait
-        if soft or grow_due:  # decisions every rank must take alike: decide on the worst rank's figures
+        shapes = self.shapes
+        bounded = self.limit_bytes is not None and (self.hard_budget or self.budget_bytes is not None)
+        shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * self.limit_bytes) if bounded else None,  # type: ignore[operator]
+                                static_bytes=static)  # a host without a budget has no limit that raises
+        shapes.model.fitted(micro, shapes.size, max(0, peak - static))
+        grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.agreed
+        if (soft or grow_due) and not shapes.agreed:  # decisions every rank must take alike: the worst rank's figures
             peak_f, static_f = self.agree.max(float(peak), float(static))
             peak, static = int(peak_f), int(static_f)
         self.last_peak_bytes = peak
         if soft and self.budget_bytes is not None and peak > self.budget_bytes:
-            if micro > self.min_micro_batch_size:
+            shapes.model.failed(micro, shapes.size)
+            if shapes.varies and micro > self.min_micro_batch_size:  # per rank: the next step's split is its own
+                self._record("over_budget", global_step, micro, shapes.micro(n), peak=peak)
+                self.clean_steps = 0
+            elif micro > self.min_micro_batch_size:
                 smaller = max(self.min_micro_batch_size, micro // 2)
                 self._record("over_budget", global_step, micro, smaller, peak=peak)
                 self.micro_batch_size = smaller
@@ -479,6 +524,7 @@ class ElasticEngine:
             "over_budget_events": self.over_budget_events,
             "events": [asdict(e) for e in self.events],
             "eval_micro_batch_size": dict(self.eval_micro_batch_size),
+            "shape_model": self.shapes.model.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -489,6 +535,7 @@ class ElasticEngine:
         self.over_budget_events = state.get("over_budget_events", 0)
         self.events = [ElasticEvent(**e) for e in state.get("events", [])]
         self.eval_micro_batch_size = dict(state.get("eval_micro_batch_size", {}))
+        self.shapes.model.load_state_dict(state.get("shape_model", {}))
 
 
 def _set_closure_loss(closure: Any, total: Any) -> None:

@@ -1,0 +1,218 @@
+"""Dynamic padding: ElasticBatchSize on batches whose memory follows their shape, against the fewest micro-batches.
+
+Trains the padded-LM example (``examples/padded``: every batch padded to its own longest sample, most about 16 tokens,
+a few up to 8x longer, 32 samples per step) with ``ElasticBatchSize()`` (its defaults) while a memory rule raises
+``torch.OutOfMemoryError`` at the real places: the *tokens* rule in forward when a micro-batch holds more than
+``capacity`` tokens (samples x padded length), the *length-squared* rule in backward (a hook on the logits) when
+samples x length^2 passes its capacity, as materialised attention scores would. For each rule it reports the OOMs, the
+micro-batches run against the fewest that fit each batch (``ceil(32 / largest fitting micro-batch)``, summed), whether
+every sample was seen once per step, ``global_step`` against the number of batches, and the largest weight difference
+to the same steps computed on whole batches by plain Lightning (dropout 0; in float64 on the CPU, where fp32's
+summation order would otherwise show). The ``fixed`` rows run the same callback
+told that every batch has one size (``sample_size=lambda batch: 1.0``): the micro-batch policy before shapes counted.
+
+    python benchmarks/dynamic_padding.py            # 240 steps per run, seeds 0-2
+    python benchmarks/dynamic_padding.py --quick    # 60 steps, seed 0 (what the test suite runs)
+    python benchmarks/dynamic_padding.py --device cuda --rule memory   # real memory under a hard cap
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import ROOT, add_json, machine, machine_line, make_parser, markdown_table, quiet, write_json  # noqa: E402
+
+PADDED_DIR = ROOT / "examples" / "padded"
+#: The effective batch, the typical and longest padded lengths, and the model.
+BATCH, SHORT, LONGEST = 32, 16, 128
+MODEL = {"vocab_size": 64, "width": 32, "heads": 2, "layers": 1, "dropout": 0.0, "lr": 3e-3}
+#: Capacities: the tokens rule lets the typical batch run whole (32 x 16 tokens x 1.3) and the longest in 7
+#: micro-batches; the length-squared rule lets batches up to 32 tokens run whole and the longest in 16.
+CAPACITY = {"tokens": int(BATCH * SHORT * 1.3), "length2": 2 * LONGEST**2}
+#: Goals of the issue: at most this many OOMs and this ratio to the fewest micro-batches over 240 steps.
+GOAL_OOMS, GOAL_RATIO = 6, 1.15
+
+
+def _cost(rule: str, samples: int, length: int) -> int:
+    return samples * length if rule == "tokens" else samples * length * length
+
+
+def fewest(rule: str, length: int) -> int:
+    """The fewest micro-batches that fit a batch of ``BATCH`` samples padded to ``length`` under ``rule``."""
+    largest = max(m for m in range(1, BATCH + 1) if m == 1 or _cost(rule, m, length) <= CAPACITY[rule])
+    return math.ceil(BATCH / largest)
+
+
+def _imports() -> tuple[Any, Any, Any]:
+    if str(PADDED_DIR) not in sys.path:
+        sys.path.insert(0, str(PADDED_DIR))
+    from data import PaddedTokens, pad_collate  # type: ignore[import-not-found]
+    from model import PaddedLM  # type: ignore[import-not-found]
+
+    return PaddedTokens, PaddedLM, pad_collate
+
+
+def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+    """One training run of ``steps`` steps under ``rule`` ("tokens", "length2", or "memory": no rule, real memory),
+    ``policy`` "shape" (the callback's defaults) or "fixed" (every batch told it has one size); with "reference" no
+    callback and no rule: whole batches, plain Lightning."""
+    import lightning as L
+    import torch
+
+    from autotune.callbacks import ElasticBatchSize
+
+    PaddedTokens, PaddedLM, _ = _imports()
+
+    class Faulty(PaddedLM):  # type: ignore[misc, valid-type]
+        """The memory rule, raised where a real OOM surfaces; records the ids every micro-batch ran."""
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            samples, length = batch["input_ids"].shape
+            self.attempts.append(batch["ids"].tolist())
+            if rule == "tokens" and _cost(rule, samples, length) > CAPACITY[rule]:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated: tokens rule, in forward)")
+            loss = self.loss(batch)
+            if rule == "length2" and _cost(rule, samples, length) > CAPACITY[rule]:
+                def fail(grad: Any) -> Any:
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated: length-squared rule, in backward)")
+                loss.register_hook(fail)
+            return loss
+
+    class Record(L.Callback):
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+            self.micro_batches = 0
+            self.exact = True
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.lengths.append(int(batch["input_ids"].shape[1]))
+            engine = elastic.engine if elastic is not None else None
+            count = len(engine.sizes) if engine is not None else 1
+            self.micro_batches += count
+            ran = [i for ids in module.attempts[-count:] for i in ids]  # the attempt that succeeded
+            self.exact = self.exact and ran == batch["ids"].tolist()
+            module.attempts.clear()
+
+    L.seed_everything(seed, verbose=False)
+    data = PaddedTokens(vocab_size=MODEL["vocab_size"], batch_size=BATCH, short=SHORT, longest=LONGEST,
+                        num_samples=steps * BATCH, seed=seed)
+    model = Faulty(**MODEL, max_length=LONGEST)
+    model.attempts = []
+    data.train_dataloader = _with_ids(data)  # type: ignore[method-assign]
+    elastic = None
+    if policy == "shape":
+        elastic = ElasticBatchSize()
+    elif policy == "fixed":
+        elastic = ElasticBatchSize(sample_size=lambda batch: 1.0)
+    record = Record()
+    # 64-bit on the CPU: a split sums a batch's gradient in another order than a whole batch, and AdamW turns fp32's
+    # rounding of that into differences of 1e-4 over a few hundred steps; in float64 only the method's error is left.
+    precision = "64-true" if device == "cpu" else "32-true"
+    trainer = L.Trainer(accelerator=device, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        precision=precision,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[c for c in (elastic, record) if c is not None])
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    wall = time.perf_counter() - start
+    rule_for_count = rule if rule in CAPACITY else None
+    return {
+        "rule": rule, "policy": policy, "seed": seed, "steps": steps, "wall_s": wall,
+        "global_step": trainer.global_step, "batches": len(record.lengths),
+        "ooms": elastic.engine.oom_events if elastic is not None and elastic.engine is not None else 0,
+        "micro_batches": record.micro_batches,
+        "fewest": sum(fewest(rule_for_count, n) for n in record.lengths) if rule_for_count else None,
+        "every_sample_once": record.exact,
+        "weights": [p.detach().cpu().clone() for p in model.parameters()],
+        "longest_batch": max(record.lengths), "shortest_batch": min(record.lengths),
+    }
+
+
+def _with_ids(data: Any) -> Any:
+    """The datamodule's loader, each batch carrying its samples' ids (to check every sample runs once per step)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    _, _, pad_collate = _imports()
+
+    def collate(items: list[tuple[int, Any]]) -> dict[str, Any]:
+        batch = pad_collate([sample for _, sample in items])
+        batch["ids"] = torch.tensor([i for i, _ in items])
+        return batch
+
+    def loader() -> DataLoader:
+        dataset = [(i, s) for i, s in enumerate(data.train.samples)]
+        return DataLoader(dataset, batch_size=data.batch_size, shuffle=False, collate_fn=collate, drop_last=True)
+
+    return loader
+
+
+def measure(*, rules: list[str], steps: int, seeds: list[int], device: str) -> list[dict[str, Any]]:
+    """Every rule x policy x seed, each beside the same seed's whole-batch reference."""
+    import torch
+
+    rows = []
+    for seed in seeds:
+        reference = run(rule="none", policy="reference", steps=steps, seed=seed, device=device)
+        for rule in rules:
+            for policy in ("shape", "fixed"):
+                result = run(rule=rule, policy=policy, steps=steps, seed=seed, device=device)
+                result["max_weight_diff"] = max(float((a - b).abs().max())
+                                                for a, b in zip(result.pop("weights"), reference["weights"]))
+                result["ratio"] = (result["micro_batches"] / result["fewest"]) if result["fewest"] else None
+                rows.append(result)
+        del reference["weights"]
+    torch.set_num_threads(torch.get_num_threads())
+    return rows
+
+
+def report(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    header = ["rule", "policy", "seed", "steps", "OOMs", "micro-batches", "fewest", "ratio", "global_step = batches",
+              "every sample once", "max weight diff", "padded lengths", "wall s"]
+    body = []
+    for r in rows:
+        body.append([r["rule"], r["policy"], str(r["seed"]), str(r["steps"]), str(r["ooms"]), str(r["micro_batches"]),
+                     str(r["fewest"]), f"{r['ratio']:.3f}" if r["ratio"] else "-",
+                     "yes" if r["global_step"] == r["batches"] == r["steps"] else "NO",
+                     "yes" if r["every_sample_once"] else "NO", f"{r['max_weight_diff']:.1e}",
+                     f"{r['shortest_batch']}-{r['longest_batch']}", f"{r['wall_s']:.1f}"])
+    shape = [r for r in rows if r["policy"] == "shape" and r["ratio"]]
+    lines = [machine_line(info), "", markdown_table(header, body), ""]
+    if shape:
+        worst_ooms = max(r["ooms"] for r in shape)
+        worst_ratio = max(r["ratio"] for r in shape)
+        lines.append(f"shape-aware (defaults): OOMs at most {worst_ooms} (goal <= {GOAL_OOMS} over 240 steps), ratio "
+                     f"to the fewest micro-batches at most {worst_ratio:.3f} (goal <= {GOAL_RATIO})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="60 steps, seed 0")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--rule", action="append", choices=["tokens", "length2"],
+                        help="the memory rule(s) to run (default: both)")
+    add_json(parser)
+    args = parser.parse_args(argv)
+    quiet()
+    import torch
+
+    torch.set_num_threads(1)
+    steps, seeds = (60, [0]) if args.quick else (240, [0, 1, 2])
+    info = machine(args.device)
+    rows = measure(rules=args.rule or ["tokens", "length2"], steps=steps, seeds=seeds, device=args.device)
+    print(report(rows, info))
+    write_json(args.json, {"machine": info, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

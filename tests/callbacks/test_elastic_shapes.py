@@ -1,0 +1,177 @@
+"""Shape-aware splitting: the memory model in the batch's shape, and ElasticBatchSize on dynamically padded batches
+(one process through the dynamic-padding benchmark's quick mode; DDP and FSDP2 on 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune._runtime.batch import sample_size_of, split_even
+from autotune._runtime.shapes import ShapeModel
+from autotune.callbacks import ElasticBatchSize
+from tests.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def test_a_longer_batch_is_never_tried_beyond_twice_what_ran_under_any_possible_cost() -> None:
+    model = ShapeModel()
+    model.fitted(32, 16.0)
+    # Twice as long: a cost in the length squared makes 32 x 16 tokens' load 4x at 32 samples: 16 is 2x, the limit.
+    assert model.choose(32, 32.0).micro == 16
+    assert model.choose(32, 64.0).micro == 4  # 4 x 16 = 64: 2x the load under the squared cost
+    assert model.choose(32, 16.0).micro == 32
+
+
+def test_an_oom_moves_the_frontier_and_the_replay_takes_only_what_ran() -> None:
+    model = ShapeModel()
+    model.fitted(32, 16.0)
+    model.failed(4, 64.0)
+    assert model.choose(32, 64.0, confidence=1.0).micro == 2  # what every cost still possible says fits
+    assert model.choose(32, 64.0).micro == 3  # 11 micro-batches of 3: below the failure, likely to fit
+    model.fitted(3, 64.0)
+    assert model.choose(32, 64.0).micro == 3
+    assert model.choose(32, 16.0).micro == 32  # the long batch's failure does not drag the short ones down
+
+
+def test_only_failed_micro_batches_of_samples_at_least_as_large_are_ruled_out() -> None:
+    model = ShapeModel()
+    model.failed(32, 20.0)
+    assert model.choose(32, 20.0, confidence=1.0).micro == 16  # nothing ran yet: half the failing load
+    model.fitted(16, 20.0)
+    assert model.choose(32, 30.0).micro < 16  # longer: less
+    assert model.choose(32, 20.0).micro == 16
+
+
+def test_the_costs_left_are_learned_from_both_sides_of_the_boundary() -> None:
+    # Memory in tokens (samples x length): 512 tokens fit, 513 do not.
+    model = ShapeModel()
+    fits = lambda m, length: m * length <= 512  # noqa: E731
+    tried = []
+    for length in [16, 32, 64, 16, 48, 128, 64, 32, 96, 128, 16, 64, 128, 48, 96] * 3:
+        m = model.choose(32, float(length)).micro
+        while not fits(m, length):
+            tried.append((length, m))
+            model.failed(m, float(length))
+            m = model.choose(32, float(length), confidence=1.0).micro
+        model.fitted(m, float(length))
+    assert len(tried) <= 6
+    # Every length now runs at the largest micro-batch of the fewest micro-batches that fit.
+    for length in (16, 32, 48, 64, 96, 128):
+        best = -(-32 // (512 // length))
+        assert -(-32 // model.choose(32, float(length)).micro) == best, length
+
+
+def test_a_failure_where_a_micro_batch_ran_before_is_pressure_and_a_probe_tries_it_again() -> None:
+    model = ShapeModel()
+    model.fitted(32, 16.0)
+    model.failed(32, 16.0)  # the same micro-batch that ran: memory pressure from elsewhere
+    assert model.choose(32, 16.0, confidence=1.0).micro == 16
+    assert model.choose(32, 16.0, probe=True).micro == 32  # once the runtime allows a probe
+    model.fitted(32, 16.0)
+    assert model.choose(32, 16.0).micro == 32 and not model.fails
+
+
+def test_measured_bytes_cap_what_is_tried_under_a_known_limit() -> None:
+    model = ShapeModel()
+    model.set_memory(limit_bytes=1000, static_bytes=200)
+    model.fitted(8, 16.0, act_bytes=400)  # 50 bytes per sample of 16 tokens; 800 bytes of room
+    assert model.choose(32, 16.0).micro == 16  # 16 x 50 = 800: what the room holds, not the 2x of any cost
+    assert model.choose(32, 16.0).predicted_peak_bytes == 200 + 800
+
+
+def test_the_model_survives_a_checkpoint() -> None:
+    model = ShapeModel()
+    model.fitted(32, 16.0)
+    model.failed(8, 128.0)
+    copy = ShapeModel()
+    copy.load_state_dict(model.state_dict())
+    assert [copy.choose(32, float(s)).micro for s in (16, 64, 128)] == \
+        [model.choose(32, float(s)).micro for s in (16, 64, 128)]
+
+
+@dataclass
+class _Sample:
+    pixels: torch.Tensor
+    caption: list[str]
+
+
+def test_sample_size_of_sums_the_per_sample_elements_of_any_structure() -> None:
+    batch = {"image": (torch.zeros(4, 3, 8, 6), torch.zeros(4)), "meta": _Sample(torch.zeros(4, 10), list("abcd")),
+             "shared": torch.zeros(7, 2), "scale": torch.tensor(1.0)}
+    assert sample_size_of(batch, 4) == 3 * 8 * 6 + 1 + 10
+    assert sample_size_of(["no", "tensors"], 2) == 1.0
+    assert split_even(10, 4) == [3, 3, 2, 2] and split_even(7, 7) == [1] * 7
+
+
+def test_a_bad_sample_size_function_is_refused_with_the_value() -> None:
+    with pytest.raises(ValueError, match=r"`sample_size` must be a function of the batch .*got 3"):
+        ElasticBatchSize(sample_size=3)  # type: ignore[arg-type]
+    from autotune._runtime.shapes import ShapeSplit
+
+    split = ShapeSplit(sample_size=lambda batch: -1, min_micro_batch_size=1)
+    with pytest.raises(ValueError, match=r"must return a positive finite number for each batch; got -1"):
+        split.start({"x": torch.zeros(2, 3)}, 2)
+
+
+# ------------------------------------------------------------------------------------------------ one process
+@pytest.fixture(scope="module")
+def quick_benchmark(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("padding") / "result.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dynamic_padding.py"), "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["tokens", "length2"])
+def test_dynamic_padding_runs_each_batch_near_its_fewest_micro_batches_exactly(quick_benchmark: list[dict],
+                                                                               rule: str) -> None:
+    shape, fixed = (next(r for r in quick_benchmark if r["rule"] == rule and r["policy"] == p)
+                    for p in ("shape", "fixed"))
+    for row in (shape, fixed):
+        assert row["global_step"] == row["batches"] == row["steps"] == 60
+        assert row["every_sample_once"]
+        assert row["max_weight_diff"] < 1e-9  # float64: the whole batches' weights
+    assert shape["ooms"] <= 6
+    assert shape["micro_batches"] <= 1.15 * shape["fewest"]
+    assert fixed["micro_batches"] > 2.5 * fixed["fewest"]  # one size for every shape: the long batches' split
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+def _ranks(tmp: Path, *args: str) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = run_ranks([str(Path(__file__).with_name("shapes_run.py")), "--out", str(tmp), *args], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "fault_rank"), [("ddp", None), ("fsdp", None), ("fsdp", 1)])
+def test_ranks_with_different_lengths_split_by_their_own_shape_exactly(tmp_path: Path, strategy: str,
+                                                                       fault_rank: int | None) -> None:
+    native = _ranks(tmp_path / "native", "--mode", "native", "--strategy", strategy)
+    extra = ("--fault-rank", str(fault_rank)) if fault_rank is not None else ()
+    ranks = _ranks(tmp_path / "elastic", "--mode", "elastic", "--strategy", strategy, *extra)
+    assert ranks[0]["lengths"] != ranks[1]["lengths"]  # each rank pads to its own longest
+    tolerance = 1e-9 if strategy == "ddp" else 1e-6  # float64 under DDP; FSDP2 runs float32
+    for r, (result, reference) in enumerate(zip(ranks, native)):
+        assert result["global_step"] == reference["global_step"] == len(result["lengths"]), f"rank {r}"
+        assert result["ran"] == reference["ran"], f"rank {r}: every sample once, in order"
+        assert result["ooms"] >= 1, f"rank {r}"
+        for name, value in result["state"].items():
+            assert float((value - reference["state"][name]).abs().max()) < tolerance, f"{name} on rank {r}"
+    if fault_rank is not None:  # a peer's OOM is replayed by every rank, the failing one's split only shrinks
+        assert ranks[0]["ooms"] == ranks[1]["ooms"]
+    if strategy == "fsdp":
+        assert ranks[0]["counts"] == ranks[1]["counts"]  # FSDP2: every rank runs the same number of micro-batches
+    else:
+        assert ranks[0]["counts"] != ranks[1]["counts"]  # DDP: each rank its own split
