@@ -25,6 +25,14 @@ def tensor_version(tensor: Any) -> int:
     return int(tensor._version)
 
 
+def tensor_versions(values: Any) -> list[Any]:
+    """:func:`tensor_version` of each tensor in ``values`` and every other value as it is, in one comprehension (a
+    per-step path: a function call per tensor costs about 0.25 us)."""
+    from torch import Tensor
+
+    return [v._version if isinstance(v, Tensor) else v for v in values]
+
+
 def storage_key(tensor: Any) -> int:
     """A key that is the same for tensors sharing one storage, fake tensors included
     (``untyped_storage()._cdata``, the address of the C++ storage object). If it went away, ``bytes_of`` (estimator)

@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from autotune._compat import BATCH_TRANSFER_HANDLER, batch_transfer_handler, is_batch_norm, logs_written_this_step
 from autotune._device.budget import Budget, format_bytes
-from autotune._runtime.microbatch import ElasticEngine, ElasticEvent
+from autotune._runtime.events import ElasticEvent
+from autotune._runtime.microbatch import ElasticEngine
 from autotune._device.probe import probe_memory
 
 log = logging.getLogger("autotune")
@@ -101,6 +102,7 @@ class ElasticBatchSize(Callback):
         self.grow_after = grow_after
         self.protect_update = bool(protect_update)
         self.sample_size = sample_size
+        self._state_key: tuple[tuple[Any, ...], str] | None = None
         self.engine: ElasticEngine | None = None
         self._pending_state: dict[str, Any] | None = None
         self._restore: list[tuple[Any, str, bool, Any]] = []
@@ -133,10 +135,13 @@ class ElasticBatchSize(Callback):
     def state_key(self) -> str:
         """Its settings: two instances (a user's config and a tuned file stacked after it, of which the later one
         runs) are told apart in checkpoints; two with the same settings are one too many (Lightning refuses them)."""
-        return self._generate_state_key(budget=None if self.budget is None else str(self.budget),
-                                        micro_batch_size=self._start_micro_batch_size,
-                                        min_micro_batch_size=self.min_micro_batch_size, grow=self.grow,
-                                        grow_after=self.grow_after, protect_update=self.protect_update)
+        settings = (None if self.budget is None else str(self.budget), self._start_micro_batch_size,
+                    self.min_micro_batch_size, self.grow, self.grow_after, self.protect_update)
+        if self._state_key is None or self._state_key[0] != settings:  # Lightning asks for it at every hook call
+            self._state_key = (settings, self._generate_state_key(
+                budget=settings[0], micro_batch_size=settings[1], min_micro_batch_size=settings[2], grow=settings[3],
+                grow_after=settings[4], protect_update=settings[5]))
+        return self._state_key[1]
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -263,7 +268,7 @@ class ElasticBatchSize(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.engine is not None:
-            self.engine.start_batch(batch)
+            self.engine.start_batch(batch, logged=logs_written_this_step(trainer))
 
     @override
     def on_train_batch_end(

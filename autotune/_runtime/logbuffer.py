@@ -54,6 +54,8 @@ class LogBuffer:
         self.log_fn = log_fn
         self.owner = owner  # the LightningModule: its current hook name is recorded with each call
         self._signature = inspect.signature(log_fn)
+        self._names = [name for name, p in self._signature.parameters.items()
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.active = False
         self.n = 1
         self._records: dict[tuple[Any, str], list[dict[str, Any]]] = {}
@@ -62,7 +64,10 @@ class LogBuffer:
         if not self.active:
             self.log_fn(*args, **kwargs)
             return
-        arguments = dict(self._signature.bind(*args, **kwargs).arguments)
+        if len(args) <= len(self._names) and not kwargs.keys() & self._names[: len(args)]:
+            arguments = dict(zip(self._names, args), **kwargs)  # what bind() gives, without its cost (~30 us a call)
+        else:
+            arguments = dict(self._signature.bind(*args, **kwargs).arguments)  # raises as log() itself would
         arguments["_n"] = self.n
         fx = current_hook_name(self.owner)
         self._records.setdefault((fx, arguments["name"]), []).append(arguments)

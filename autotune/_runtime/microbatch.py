@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -28,6 +28,9 @@ from autotune._runtime.batch import (
 )
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
+from autotune._runtime.events import (
+    _DIFFERENT_SPLITS, _HALF_APPLIED, _SHARDED_EVAL_OOM, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
+)
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
 from autotune._device.meter import MemoryMeter
@@ -50,61 +53,6 @@ GROW_HEADROOM = 0.9
 @rank_zero_only
 def _info(msg: str) -> None:
     log.info(msg)
-
-
-_LATER = "Later ones are not warned about again: see the {metric} metric and ElasticBatchSize.events."
-#: What the user is told once per kind and fit (rank zero), besides the INFO log line of every event.
-_WARN_ONCE = {
-    "oom": "ElasticBatchSize: out of memory at step {step} (in the {where}); the step was replayed at micro-batch "
-           "{new} (was {previous}). " + _LATER.format(metric="autotune/oom_events"),
-    "grow_failed": "ElasticBatchSize: growing the micro-batch to {previous} ran out of memory at step {step}; it "
-                   "went back to {new} and waits twice as long before trying again. "
-                   + _LATER.format(metric="autotune/oom_events"),
-    "eval_oom": "ElasticBatchSize: out of memory in {where}; its batches are now split into micro-batches of {new}. "
-                + _LATER.format(metric="autotune/oom_events"),
-    "over_budget": "ElasticBatchSize: the step's peak {peak} went over the budget {budget} at micro-batch {previous} "
-                   "(step {step}); the next step runs at {new}. "
-                   + _LATER.format(metric="autotune/over_budget_events"),
-}
-
-
-_HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had changed parameters or optimizer state: "
-                 "the update is half-applied and cannot be replayed. {why}")
-_WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
-               "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
-               "raise the budget, or build the optimizer with foreach=False.")
-_DIFFERENT_SPLITS = (
-    "ElasticBatchSize: the ranks got batches of different sizes (they split them into different numbers of "
-    "micro-batches this step); every rank must see the same batch size (Lightning's DistributedSampler pads the "
-    "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
-_SHARDED_EVAL_OOM = ("Out of memory in {stage} under FSDP2 (ModelParallelStrategy): evaluation batches are not split "
-                     "under FSDP2 (one rank splitting alone would meet its peers' all-gathers out of order); the run "
-                     "stops on every rank. Lower the {stage} batch size.")
-_WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
-
-
-@dataclass(frozen=True)
-class ElasticEvent:
-    """One decision of :class:`~autotune.callbacks.ElasticBatchSize` (its ``events`` list, oldest first).
-
-    ``kind`` is "oom" (an out-of-memory error; the step was replayed at ``micro_batch_size``), "grow" (the
-    micro-batch doubled after clean steps), "grow_failed" (the larger micro-batch ran out of memory and went back),
-    "over_budget" (a step's peak passed the soft CPU budget; the next step runs smaller) or "eval_oom" (an
-    evaluation step was split). ``step`` is the global step, ``batch_size`` the effective batch, ``previous`` and
-    ``micro_batch_size`` the micro-batch before and after, ``where`` the phase that failed ("closure": forward or
-    backward, "update": the optimizer step; for "eval_oom" the stage), ``peak_bytes`` the step's peak when known.
-
-    Example:
-        >>> ElasticEvent(kind="oom", step=3, batch_size=64, previous=32, micro_batch_size=16).micro_batch_size
-        16"""
-
-    kind: str
-    step: int
-    batch_size: int
-    previous: int
-    micro_batch_size: int
-    where: str = ""
-    peak_bytes: int = 0
 
 
 class ElasticEngine:
@@ -163,12 +111,16 @@ class ElasticEngine:
         self.index = 0
         self.phase = "closure"
         self.last_peak_bytes = 0
+        self._measure = True  # whether this step reads the peak (see start_batch)
         self._warned_floor = False
         self._metrics: list[torch.nn.Module] | None = None
 
     # ----------------------------------------------------------------------------------------------- training
-    def start_batch(self, batch: Any) -> None:
-        """Called with the host batch before the step: fixes the step's batch size ``N``."""
+    def start_batch(self, batch: Any, *, logged: bool = True) -> None:
+        """Called with the host batch before the step: fixes the step's batch size ``N``. ``logged``: whether this
+        step's peak is logged (without a budget on the host the peak is read only where it is used: 0.2 ms a step)."""
+        self._measure = logged or self.budget_bytes is not None or self.meter.is_cuda or (
+            self.grow and self.clean_steps + 1 >= self.grow_wait and not self.shapes.varies)
         self.batch_size = batch_size_of(batch)
         self.sizes = [self.batch_size] if self.batch_size else []
         self.index = 0
@@ -208,7 +160,7 @@ class ElasticEngine:
             self.micro_batch_size = n
         rng = RNGState()
         metrics = self._metric_states(module)
-        static = self.meter.start()
+        static = self.meter.start() if self._measure else 0
         replayed = False
         while True:
             self.sizes = self._split(n, replayed)
@@ -257,7 +209,7 @@ class ElasticEngine:
             self.growing_from = None
             self.micro_batch_size = next_micro
             replayed = True
-            static = self.meter.start()
+            static = self.meter.start() if self._measure else 0
         self.logs.flush()
         if self.update_protected:
             self.snapshot.release()  # the protected update succeeded: steady-state steps hold no host copy
@@ -355,10 +307,10 @@ class ElasticEngine:
                     drain.end()
                 if loss is not None:
                     total = loss if total is None else total + loss
-            params = list(module.parameters())
             if drain is not None and drain.vote(self.agree, failure is not None, optimizer, self.device):
                 raise failure if failure is not None else PeerOutOfMemory()
             if self.agree.enabled and not self.sharded:
+                params = list(module.parameters())
                 self._vote(params, failure)
                 self.agree.average_gradients(params, self._used)
             self._prepare_update(optimizer)
@@ -399,22 +351,24 @@ class ElasticEngine:
         return max(self.min_micro_batch_size, micro // 2)
 
     def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
-        peak = self.meter.peak()
+        peak = self.meter.peak() if self._measure else 0
         if self.growing_from is not None:
             self._record("grow", global_step, self.growing_from, micro, peak=peak)
             self.growing_from = None
         self.clean_steps += int(clean)  # a replayed step is not a clean one
         soft = self.budget_bytes is not None and not self.hard_budget
         shapes = self.shapes
-        bounded = self.limit_bytes is not None and (self.hard_budget or self.budget_bytes is not None)
-        shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * self.limit_bytes) if bounded else None,  # type: ignore[operator]
-                                static_bytes=static)  # a host without a budget has no limit that raises
-        shapes.model.fitted(micro, shapes.size, max(0, peak - static))
+        if self._measure:  # a host without a budget has no limit that raises: no byte cap there
+            bounded = self.limit_bytes is not None and (self.hard_budget or self.budget_bytes is not None)
+            shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * self.limit_bytes) if bounded else None,  # type: ignore[operator]
+                                    static_bytes=static)
+        shapes.model.fitted(micro, shapes.size, max(0, peak - static) if self._measure else 0)
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.agreed
         if (soft or grow_due) and not shapes.agreed:  # decisions every rank must take alike: the worst rank's figures
             peak_f, static_f = self.agree.max(float(peak), float(static))
             peak, static = int(peak_f), int(static_f)
-        self.last_peak_bytes = peak
+        if self._measure:
+            self.last_peak_bytes = peak
         if soft and self.budget_bytes is not None and peak > self.budget_bytes:
             shapes.model.failed(micro, shapes.size)
             if shapes.varies and micro > self.min_micro_batch_size:  # per rank: the next step's split is its own

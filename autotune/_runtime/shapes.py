@@ -62,15 +62,14 @@ class _Point:
     m: int
     t: int  # when it was seen (a counter), to forget the oldest first
     act_bytes: int = 0  # measured bytes over the step's static part (fits only; 0: not measured)
+    loads: tuple[float, ...] = ()  # m * g(s) for every candidate w (filled when first needed)
 
 
 @dataclass(frozen=True)
 class ShapeChoice:
-    """What the model chose for one batch: ``micro`` samples per micro-batch (the largest of the split) and the peak it
-    predicts in bytes (0 when no peak was measured yet)."""
+    """What the model chose for one batch: ``micro`` samples per micro-batch (the largest of the split)."""
 
     micro: int
-    predicted_peak_bytes: int
 
 
 class ShapeModel:
@@ -97,7 +96,7 @@ class ShapeModel:
         self.limit_bytes: int | None = None  # headroom x limit: the bytes a step may peak at (None: not known)
         self.static_bytes = 0
         self._clock = 0
-        self._bounds: list[tuple[tuple[float, float, float], float, float, float]] | None = None
+        self._bounds: list[tuple[int, float, float, float]] | None = None
         self._cache: dict[tuple[int, float, bool], ShapeChoice] = {}
 
     # ---------------------------------------------------------------------------------------------- evidence
@@ -108,10 +107,11 @@ class ShapeModel:
         self._clock += 1
         for p in self.fits:
             if p.s >= s and p.m >= m:  # nothing new (a point at least as large ran)
-                if p.s == s and p.m == m and act_bytes:
-                    if p.act_bytes != act_bytes:
-                        p.act_bytes = max(p.act_bytes, act_bytes)
-                        self._changed()
+                if p.s == s and p.m == m and act_bytes > p.act_bytes:
+                    grew = act_bytes > p.act_bytes * 1.0625
+                    p.act_bytes = act_bytes
+                    if grew and self.limit_bytes is not None:
+                        self._changed()  # the byte cap moves (not for every page of noise)
                 return
         self.fits = [p for p in self.fits if not (p.s <= s and p.m <= m)]
         self.fits.append(_Point(s, m, self._clock, act_bytes))
@@ -154,27 +154,31 @@ class ShapeModel:
         self._cache.clear()
 
     # ---------------------------------------------------------------------------------------------- the model
-    def _g(self, w: tuple[float, float, float], s: float) -> float:
+    def _g_all(self, s: float) -> tuple[float, ...]:
+        """``g(s)`` for every candidate ``w``."""
         x = s / (self.s_ref or s or 1.0)
-        return w[0] + w[1] * x + w[2] * x * x
+        return tuple(w0 + w1 * x + w2 * x * x for w0, w1, w2 in _CANDIDATES)
 
-    def _compute_bounds(self) -> list[tuple[tuple[float, float, float], float, float, float]]:
-        """For each ``w`` still possible: (w, lowest C, highest C, byte cap on C)."""
+    def _loads(self, p: _Point) -> tuple[float, ...]:
+        if not p.loads:
+            p.loads = tuple(p.m * g for g in self._g_all(p.s))
+        return p.loads
+
+    def _compute_bounds(self) -> list[tuple[int, float, float, float]]:
+        """For each ``w`` still possible: (its index, lowest C, highest C, byte cap on C)."""
         while True:
+            count = len(_CANDIDATES)
+            los = [max(c) for c in zip(*(self._loads(p) for p in self.fits))] if self.fits else [0.0] * count
+            his = [min(c) for c in zip(*(self._loads(p) for p in self.fails))] if self.fails else [math.inf] * count
+            measured = [p for p in self.fits if p.act_bytes] if self.limit_bytes is not None else []
+            room = max(0, (self.limit_bytes or 0) - self.static_bytes)
             bounds = []
-            for w in _CANDIDATES:
-                lo = max((p.m * self._g(w, p.s) for p in self.fits), default=0.0)
-                hi = min((p.m * self._g(w, p.s) for p in self.fails), default=math.inf)
+            for i in range(count):
+                lo, hi = los[i], his[i]
                 if lo >= hi:
                     continue
-                cap = math.inf
-                if self.limit_bytes is not None:
-                    room = self.limit_bytes - self.static_bytes
-                    per_unit = max((p.act_bytes / (p.m * self._g(w, p.s)) for p in self.fits if p.act_bytes),
-                                   default=0.0)
-                    if per_unit > 0:
-                        cap = max(room, 0) / per_unit
-                bounds.append((w, lo, hi, cap))
+                per_unit = max((p.act_bytes / self._loads(p)[i] for p in measured), default=0.0)
+                bounds.append((i, lo, hi, room / per_unit if per_unit > 0 else math.inf))
             if bounds or not (self.fits and self.fails):
                 return bounds
             # Nothing agrees with all of it (noise, pressure that came and went): forget the oldest point.
@@ -184,7 +188,7 @@ class ShapeModel:
             else:
                 self.fails.remove(oldest)
 
-    def _fit_probability(self, m: int, s: float, *, probe: bool) -> float:
+    def _fit_probability(self, m: int, s: float, gs: tuple[float, ...], *, probe: bool) -> float:
         if any(p.s >= s and p.m >= m for p in self.fits):
             return 1.0  # a micro-batch at least as large, of samples at least as large, ran
         if probe and any(p.s >= s and p.m >= m for p in self.lost):
@@ -196,12 +200,11 @@ class ShapeModel:
         if not self._bounds:
             return 0.0
         total = 0.0
-        for w, lo, hi, cap in self._bounds:
+        for i, lo, hi, cap in self._bounds:
+            load = m * gs[i]
             if lo <= 0:  # only failures seen: what half the smallest failure's load fits, nothing above
-                top = min(hi / 2, cap)
-                total += 1.0 if m * self._g(w, s) <= top else 0.0
+                total += 1.0 if load <= min(hi / 2, cap) else 0.0
                 continue
-            load = m * self._g(w, s)
             if load > self.growth * lo:
                 return 0.0  # beyond what ran, by more than the growth factor, for some cost still possible
             top = min(hi, self.growth * lo, cap)
@@ -222,40 +225,36 @@ class ShapeModel:
         found = self._cache.get(key)  # type: ignore[arg-type]
         if found is not None:
             return found
+        gs = self._g_all(s)
         lo_k, hi_k = 1, n  # the fewest micro-batches that fit lies in [lo_k, hi_k]; n (micro-batches of 1) is the floor
         while lo_k < hi_k:
             k = (lo_k + hi_k) // 2
-            if self._fit_probability(-(-n // k), s, probe=probe) >= q:
+            if self._fit_probability(-(-n // k), s, gs, probe=probe) >= q:
                 hi_k = k
             else:
                 lo_k = k + 1
-        micro = -(-n // lo_k)
-        choice = ShapeChoice(micro, self._predicted_peak(micro, s))
+        choice = ShapeChoice(-(-n // lo_k))
         if len(self._cache) > 4096:
             self._cache.clear()
         self._cache[key] = choice  # type: ignore[index]
         return choice
 
-    def _predicted_peak(self, m: int, s: float) -> int:
-        """The step's peak predicted from the measured fits nearest in load (0 without a measurement)."""
+    def predicted_peak(self, m: int, s: float) -> int:
+        """The step's peak for ``m`` samples of size ``s`` predicted from the measured fits (0 without one): with the
+        ``w`` still possible whose bytes per unit of load vary least over them, at the largest bytes per unit seen."""
         measured = [p for p in self.fits if p.act_bytes]
         if not measured:
             return 0
         if self._bounds is None:
             self._bounds = self._compute_bounds()
-        w = self._best_w(measured)
-        per_unit = max(p.act_bytes / (p.m * self._g(w, p.s)) for p in measured)
-        return int(self.static_bytes + per_unit * m * self._g(w, s))
-
-    def _best_w(self, measured: list[_Point]) -> tuple[float, float, float]:
-        """The ``w`` still possible whose bytes per unit of load vary least over the measured fits."""
-        best, spread = (0.0, 1.0, 0.0), math.inf
-        for w, *_ in self._bounds or [((0.0, 1.0, 0.0), 0, 0, 0)]:
-            ratios = [p.act_bytes / (p.m * self._g(w, p.s)) for p in measured]
+        best, spread = 0, math.inf
+        for i, *_ in self._bounds or [(1, 0, 0, 0)]:
+            ratios = [p.act_bytes / self._loads(p)[i] for p in measured]
             r = max(ratios) / max(min(ratios), 1e-12)
             if r < spread:
-                best, spread = w, r
-        return best
+                best, spread = i, r
+        per_unit = max(p.act_bytes / self._loads(p)[best] for p in measured)
+        return int(self.static_bytes + per_unit * m * self._g_all(s)[best])
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -293,7 +292,7 @@ class ShapeSplit:
         self.varies = False
         self.agreed = False
         self.size = 1.0  # this batch's sample size
-        self.predicted_peak_bytes = 0
+        self.micro_chosen = 0
 
     def start(self, batch: Any, n: int) -> None:
         """A batch of ``n`` samples begins: its sample size."""
@@ -315,8 +314,13 @@ class ShapeSplit:
     def micro(self, n: int, *, confidence: float | None = None, probe: bool = False) -> int:
         """The micro-batch for this batch (the model's choice, never below the minimum)."""
         choice = self.model.choose(n, self.size, confidence=confidence, probe=probe)
-        self.predicted_peak_bytes = choice.predicted_peak_bytes
-        return max(min(self.min_micro_batch_size, n), choice.micro)
+        self.micro_chosen = max(min(self.min_micro_batch_size, n), choice.micro)
+        return self.micro_chosen
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The peak the model predicts for the micro-batch chosen last (0 before any was measured)."""
+        return self.model.predicted_peak(self.micro_chosen, self.size) if self.micro_chosen else 0
 
 
 def _multi_rank() -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import metric_state_names, tensor_version
+from autotune._compat import metric_state_names, tensor_versions
 
 try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
     import numpy.random as _np_random
@@ -203,11 +203,15 @@ def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
     in-place change), the other state values, and the state's keys. Equal before and after a failed update means the
     update changed nothing and can simply run again. The cost is a few Python objects per parameter, whatever the
     model's size."""
-    marks: list[Any] = [tensor_version(p) for group in optimizer.param_groups for p in group["params"]]
-    for p, state in optimizer.state.items():
-        marks.append(id(p))
-        marks += [(k, tensor_version(v) if isinstance(v, Tensor) else v) for k, v in state.items()]
-    return marks
+    def marks() -> Any:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+        for p, state in optimizer.state.items():
+            yield id(p)
+            yield from state.keys()
+            yield from state.values()
+
+    return tensor_versions(marks())
 
 
 def _copy_state(value: Any) -> Any:

@@ -84,7 +84,7 @@ def test_measured_bytes_cap_what_is_tried_under_a_known_limit() -> None:
     model.set_memory(limit_bytes=1000, static_bytes=200)
     model.fitted(8, 16.0, act_bytes=400)  # 50 bytes per sample of 16 tokens; 800 bytes of room
     assert model.choose(32, 16.0).micro == 16  # 16 x 50 = 800: what the room holds, not the 2x of any cost
-    assert model.choose(32, 16.0).predicted_peak_bytes == 200 + 800
+    assert model.predicted_peak(16, 16.0) == 200 + 800
 
 
 def test_the_model_survives_a_checkpoint() -> None:

@@ -1,0 +1,59 @@
+"""What ElasticBatchSize reports: its events and the messages it warns and fails with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_LATER = "Later ones are not warned about again: see the {metric} metric and ElasticBatchSize.events."
+#: What the user is told once per kind and fit (rank zero), besides the INFO log line of every event.
+_WARN_ONCE = {
+    "oom": "ElasticBatchSize: out of memory at step {step} (in the {where}); the step was replayed at micro-batch "
+           "{new} (was {previous}). " + _LATER.format(metric="autotune/oom_events"),
+    "grow_failed": "ElasticBatchSize: growing the micro-batch to {previous} ran out of memory at step {step}; it "
+                   "went back to {new} and waits twice as long before trying again. "
+                   + _LATER.format(metric="autotune/oom_events"),
+    "eval_oom": "ElasticBatchSize: out of memory in {where}; its batches are now split into micro-batches of {new}. "
+                + _LATER.format(metric="autotune/oom_events"),
+    "over_budget": "ElasticBatchSize: the step's peak {peak} went over the budget {budget} at micro-batch {previous} "
+                   "(step {step}); the next step runs at {new}. "
+                   + _LATER.format(metric="autotune/over_budget_events"),
+}
+
+
+_HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had changed parameters or optimizer state: "
+                 "the update is half-applied and cannot be replayed. {why}")
+_WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
+               "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
+               "raise the budget, or build the optimizer with foreach=False.")
+_DIFFERENT_SPLITS = (
+    "ElasticBatchSize: the ranks got batches of different sizes this step; every rank must see the same batch size (Lightning's DistributedSampler pads the "
+    "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
+_SHARDED_EVAL_OOM = ("Out of memory in {stage} under FSDP2 (ModelParallelStrategy): evaluation batches are not split "
+                     "under FSDP2 (one rank splitting alone would meet its peers' all-gathers out of order); the run "
+                     "stops on every rank. Lower the {stage} batch size.")
+_WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
+
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One decision of :class:`~autotune.callbacks.ElasticBatchSize` (its ``events`` list, oldest first).
+
+    ``kind`` is "oom" (an out-of-memory error; the step was replayed at ``micro_batch_size``), "grow" (the
+    micro-batch doubled after clean steps; with varying sample sizes, a micro-batch that ran before a failure tried
+    again), "grow_failed" (the larger micro-batch ran out of memory and went back),
+    "over_budget" (a step's peak passed the soft CPU budget; the next step runs smaller) or "eval_oom" (an
+    evaluation step was split). ``step`` is the global step, ``batch_size`` the effective batch, ``previous`` and
+    ``micro_batch_size`` the micro-batch before and after, ``where`` the phase that failed ("closure": forward or
+    backward, "update": the optimizer step; for "eval_oom" the stage), ``peak_bytes`` the step's peak when known.
+
+    Example:
+        >>> ElasticEvent(kind="oom", step=3, batch_size=64, previous=32, micro_batch_size=16).micro_batch_size
+        16"""
+
+    kind: str
+    step: int
+    batch_size: int
+    previous: int
+    micro_batch_size: int
+    where: str = ""
+    peak_bytes: int = 0
