@@ -56,8 +56,8 @@ def fewest(rule: str, length: int) -> int:
 def _imports() -> tuple[Any, Any, Any]:
     if str(PADDED_DIR) not in sys.path:
         sys.path.insert(0, str(PADDED_DIR))
-    from data import PaddedTokens, pad_collate  # type: ignore[import-not-found]
-    from model import PaddedLM  # type: ignore[import-not-found]
+    from padded_data import PaddedTokens, pad_collate  # type: ignore[import-not-found]
+    from padded_model import PaddedLM  # type: ignore[import-not-found]
 
     return PaddedTokens, PaddedLM, pad_collate
 

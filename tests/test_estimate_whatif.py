@@ -281,3 +281,17 @@ def test_search_refuses_a_meta_model_for_plans_that_run_it_as_built(capsys, meta
     assert err.startswith(f"autotune: error: target '{meta_target}' builds its model on the meta device (no weights), "
                           "and plans with strategy 'auto' run it as built") and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_estimate_at_a_sequence_length_traces_the_batch_cut_or_filled_to_it(capsys: pytest.CaptureFixture) -> None:
+    padded = str(ROOT / "examples" / "padded" / "train.py") + ":make"
+    peaks = {}
+    for seq_len in ("16", "256"):
+        assert main(["estimate", padded, "--device", "cuda", "--device-memory", "80GiB", "--seq-len", seq_len,
+                     "--precision", "32-true", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        peaks[seq_len] = rows[0]["predicted_peak_bytes"]
+    # 16x the tokens, 256x the attention scores: 72 MiB (mostly CUDA's fixed terms and the model state) -> 243 MiB.
+    assert peaks["256"] > 3 * peaks["16"]
+    assert main(["estimate", padded, "--device", "cuda", "--device-memory", "80GiB", "--seq-len", "0"]) == 2
+    assert "--seq-len must be a positive int; got '0'" in capsys.readouterr().err

@@ -103,6 +103,9 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
                         help="optimizer states of the default rows: full, 8bit, 4bit (default: full)")
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
                         help="micro-batch of every row (default: the plan's, else the whole batch)")
+    parser.add_argument("--seq-len", default=None, metavar="L",
+                        help="estimate the target's batch padded or cut to this sequence length (its token ids, masks "
+                        "and labels; default: the batch's own): for batches whose length varies")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one); "
                         "cuda without CUDA on this machine estimates what-if, with CUDA's rules")
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
@@ -126,6 +129,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         raise ValueError("give --budget (20GiB, 0.8, auto) or --device-memory (80GiB)")
     budget = Budget.parse(args.budget) if args.budget is not None else None
     micro = _int_option("--micro-batch-size", args.micro_batch_size, "a positive int")
+    seq_len = _int_option("--seq-len", args.seq_len, "a positive int")
     world = _int_option("--world-size", args.world_size, "an int >= 1")
     most = _int_option("--max-world-size", args.max_world_size, "an int >= 1")
     if most is not None and memory is None:
@@ -150,7 +154,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     target = load_target(args.target, config=args.config)
     if most is not None:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
-                             usable=budget_bytes, most=most)
+                             usable=budget_bytes, most=most, seq_len=seq_len)
     baseline = 0
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.rank import SearchEstimator
@@ -159,18 +163,18 @@ def _run_estimate(args: argparse.Namespace) -> int:
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
         baseline = estimator.baseline
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
-                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline)
+                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
     return _EXIT_OK
 
 
 def _run_capacity(args: argparse.Namespace, *, target: Any, device: Any, what_if: bool, memory: int,
-                  usable: int, most: int) -> int:
+                  usable: int, most: int, seq_len: int | None) -> int:
     from autotune._estimate.capacity import estimate_capacity
     from autotune._estimate.estimate import first_batch
     from autotune._runtime.batch import batch_size_of
 
-    batch = first_batch(target)
+    batch = first_batch(target, seq_len=seq_len)
     rows = estimate_capacity(model=target.model, batch=batch, device=device, device_memory_bytes=memory,
                              budget_bytes=usable, max_world_size=most, precisions=args.precision or None)
     last = rows[-1]

@@ -143,7 +143,7 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
-    baseline_bytes: int = 0,
+    baseline_bytes: int = 0, seq_len: int | None = None,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
@@ -151,8 +151,9 @@ def estimate_target(
     ``micro_batch_size`` (None: the plan's own, else the whole batch), and is one rank's of ``world_size`` (see
     :func:`estimate`). ``device_memory_bytes`` is the device's memory for shares of it (``0.8``) in place of a
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
-    compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). Returns one row per plan,
-    in order.
+    compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). ``seq_len``: estimate
+    the batch at this sequence length (its token ids, masks and labels cut or filled, see ``with_sequence_length``;
+    None: the batch's own). Returns one row per plan, in order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -160,7 +161,7 @@ def estimate_target(
     """
     resolved, what_if = estimate_device(device)
     budget_bytes = budget_in_bytes(Budget.parse(budget), resolved, what_if=what_if, device_memory=device_memory_bytes)
-    batch = first_batch(target)
+    batch = first_batch(target, seq_len=seq_len)
     count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     rows = []
     for plan in plans:
@@ -195,8 +196,24 @@ def budget_in_bytes(budget: Budget | None, device: torch.device, *, what_if: boo
     return budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
 
 
-def first_batch(target: Target) -> Any:
-    """The first batch of the target's train dataloader (after ``datamodule.setup("fit")``); ``TargetError`` if none."""
+def first_batch(target: Target, *, seq_len: int | None = None) -> Any:
+    """The first batch of the target's train dataloader (after ``datamodule.setup("fit")``), at sequence length
+    ``seq_len`` when given (ValueError for a batch without one); ``TargetError`` if there is no batch."""
+    batch = _first_batch(target)
+    if seq_len is None:
+        return batch
+    from autotune._runtime.batch import batch_size_of, with_sequence_length
+
+    size = batch_size_of(batch)
+    if size is None:
+        raise ValueError(f"target '{target.spec}': its batch has no tensor, so no sequence length to set")
+    try:
+        return with_sequence_length(batch, size, seq_len)
+    except ValueError as error:
+        raise ValueError(f"--seq-len {seq_len}: target '{target.spec}': {error}") from None
+
+
+def _first_batch(target: Target) -> Any:
     from autotune._target.target import TargetError
 
     owner: Any = target.datamodule if target.datamodule is not None else target.model

@@ -33,19 +33,22 @@ def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
+def _children(batch: Any) -> Any:
+    """What a batch's container holds (mapping values, dataclass fields, sequence items); () for anything else."""
+    if isinstance(batch, Mapping):
+        return batch.values()
+    if _is_dataclass_instance(batch):
+        return (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return batch
+    return ()
+
+
 def batch_size_of(batch: Any) -> int | None:
     """The first dimension of the first tensor in ``batch`` (depth-first), or None when there is none."""
     if isinstance(batch, _ARRAY_TYPES):
         return int(batch.shape[0]) if batch.ndim > 0 else None
-    if isinstance(batch, Mapping):
-        children: Any = batch.values()
-    elif _is_dataclass_instance(batch):
-        children = (getattr(batch, f.name) for f in dataclasses.fields(batch))
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        children = batch
-    else:
-        return None
-    for child in children:
+    for child in _children(batch):
         size = batch_size_of(child)
         if size is not None:
             return size
@@ -73,15 +76,7 @@ def _elements_per_sample(batch: Any, size: int) -> float:
                 per_sample *= int(d)
             return float(per_sample)
         return 0.0
-    if isinstance(batch, Mapping):
-        children: Any = batch.values()
-    elif _is_dataclass_instance(batch):
-        children = (getattr(batch, f.name) for f in dataclasses.fields(batch))
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        children = batch
-    else:
-        return 0.0
-    return sum(_elements_per_sample(child, size) for child in children)
+    return sum(_elements_per_sample(child, size) for child in _children(batch))
 
 
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
@@ -93,26 +88,15 @@ def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
         >>> part["x"].tolist(), part["ids"], part["scale"].item()
         ([[2, 3], [4, 5]], ['b', 'c'], 2.0)
     """
-    if isinstance(batch, _ARRAY_TYPES):
-        return batch[start:stop] if batch.ndim > 0 and batch.shape[0] == size else batch
-    if isinstance(batch, Mapping):
-        items = {k: slice_batch(v, start, stop, size) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:  # mappings without a dict constructor (e.g. defaultdict needs a factory)
-            return items
-    if _is_namedtuple(batch):
-        return type(batch)(*(slice_batch(v, start, stop, size) for v in batch))
-    if _is_dataclass_instance(batch):
-        changes = {
-            f.name: slice_batch(getattr(batch, f.name), start, stop, size) for f in dataclasses.fields(batch) if f.init
-        }
-        return dataclasses.replace(batch, **changes)
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == size and batch and all(isinstance(v, _LEAF_TYPES) for v in batch):
-            return batch[start:stop]  # a per-sample list such as ids or captions
-        return type(batch)(slice_batch(v, start, stop, size) for v in batch)
-    return batch
+    def cut(array: Any) -> Any:
+        return array[start:stop] if array.ndim > 0 and array.shape[0] == size else array
+
+    def per_sample(items: list[Any] | tuple[Any, ...]) -> Any:  # a per-sample list such as ids or captions
+        if len(items) == size and items and all(isinstance(v, _LEAF_TYPES) for v in items):
+            return items[start:stop]
+        return None
+
+    return _map_arrays(batch, cut, per_sample)
 
 
 def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
@@ -125,6 +109,75 @@ def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     micro = max(1, min(micro_batch_size, batch_size))
     full, rest = divmod(batch_size, micro)
     return [micro] * full + ([rest] if rest else [])
+
+
+def sequence_length(batch: Any, size: int) -> int | None:
+    """The batch's sequence length: the second dimension of its first tensor of two or more dimensions whose first
+    is ``size`` (None when it has none).
+
+    Example:
+        >>> sequence_length({"label": torch.zeros(4), "input_ids": torch.zeros(4, 9)}, 4)
+        9
+    """
+    if isinstance(batch, Tensor):
+        return int(batch.shape[1]) if batch.ndim >= 2 and batch.shape[0] == size else None
+    for child in _children(batch):
+        found = sequence_length(child, size)
+        if found is not None:
+            return found
+    return None
+
+
+def with_sequence_length(batch: Any, size: int, length: int) -> Any:
+    """The batch with its sequence length (see :func:`sequence_length`) made ``length``: every dimension after the
+    first that has the old length, in every tensor whose first dimension is ``size`` (token ids, masks, labels,
+    [L, L] masks), is cut or filled by repeating its values; the structure and everything else are kept.
+
+    Raises:
+        ValueError: when the batch has no sequence dimension.
+
+    Example:
+        >>> b = with_sequence_length({"ids": torch.tensor([[1, 2, 3]]), "mask": torch.ones(1, 3, 3)}, 1, 5)
+        >>> b["ids"].tolist(), tuple(b["mask"].shape)
+        ([[1, 2, 3, 1, 2]], (1, 5, 5))
+    """
+    old = sequence_length(batch, size)
+    if old is None:
+        raise ValueError(f"the batch has no sequence dimension (no tensor of shape [{size}, length, ...]) to set to "
+                         f"length {length}")
+
+    def resize(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.ndim < 2 or t.shape[0] != size:
+            return t
+        index = torch.arange(length, device=t.device) % old
+        for dim in range(1, t.ndim):
+            if t.shape[dim] == old:
+                t = t.index_select(dim, index)
+        return t
+
+    return _map_arrays(batch, resize)
+
+
+def _map_arrays(batch: Any, fn: Any, lists: Any = None) -> Any:
+    """``batch`` with ``fn`` applied to every tensor and array in it, its structure kept (mappings, namedtuples,
+    dataclasses, lists, tuples); ``lists`` may replace a list or tuple whole (its result; None: map inside it)."""
+    if isinstance(batch, _ARRAY_TYPES):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {k: _map_arrays(v, fn, lists) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # mappings without a dict constructor (e.g. defaultdict needs a factory)
+            return items
+    if _is_namedtuple(batch):
+        return type(batch)(*(_map_arrays(v, fn, lists) for v in batch))
+    if _is_dataclass_instance(batch):
+        return dataclasses.replace(batch, **{f.name: _map_arrays(getattr(batch, f.name), fn, lists)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, (list, tuple)):
+        whole = lists(batch) if lists is not None else None
+        return whole if whole is not None else type(batch)(_map_arrays(v, fn, lists) for v in batch)
+    return batch
 
 
 def split_even(batch_size: int, count: int) -> list[int]:

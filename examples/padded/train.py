@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 _HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # so model.py and data.py import when this file is loaded by path, from anywhere
+if _HERE not in sys.path:  # so padded_model.py and padded_data.py import when this file is loaded by path, from anywhere
     sys.path.insert(0, _HERE)
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from data import PaddedTokens  # noqa: E402
-from model import PaddedLM  # noqa: E402
+from padded_data import PaddedTokens  # noqa: E402
+from padded_model import PaddedLM  # noqa: E402
 
 #: The configuration of ``config.yaml`` (kept equal to it by a test).
 SMALL_MODEL = {"width": 64, "heads": 4, "layers": 2, "dropout": 0.0, "lr": 3e-3}

@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "padded"))
 
 import lightning as L  # noqa: E402
-from data import PaddedTokens, pad_collate  # noqa: E402
+from padded_data import PaddedTokens, pad_collate  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from model import PaddedLM  # noqa: E402
+from padded_model import PaddedLM  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 

@@ -175,3 +175,53 @@ def test_ranks_with_different_lengths_split_by_their_own_shape_exactly(tmp_path:
         assert ranks[0]["counts"] == ranks[1]["counts"]  # FSDP2: every rank runs the same number of micro-batches
     else:
         assert ranks[0]["counts"] != ranks[1]["counts"]  # DDP: each rank its own split
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+class _Padded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.head(torch.relu(self.embed(batch["input_ids"])))
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        return per_token.mean(dim=1).mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_shape_aware_step_waits_for_nothing_on_cuda() -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Padded()
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.net(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class NoSync(L.Callback):  # every synchronising call inside our steps raises (warm-up steps excepted)
+        def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+            torch.cuda.set_sync_debug_mode("error" if trainer.global_step >= 2 else 0)
+
+        def on_train_batch_end(self, *args: object) -> None:
+            torch.cuda.set_sync_debug_mode(0)
+
+    lengths = [8, 16, 64, 8, 32, 16, 64, 8]
+    batches = [{"input_ids": torch.randint(32, (16, n)), "labels": torch.randint(32, (16, n))} for n in lengths]
+    elastic = ElasticBatchSize(budget=0.5)
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=len(batches), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[elastic, NoSync()])
+    try:
+        trainer.fit(LM(), DataLoader(batches, batch_size=None, pin_memory=True))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.global_step == len(batches)
+    assert elastic.engine is not None and elastic.engine.shapes.varies
