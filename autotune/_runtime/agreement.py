@@ -11,10 +11,12 @@ from autotune._device.oom import is_oom_error
 
 
 class PeerOutOfMemory(RuntimeError):
-    """Raised on ranks that did not run out of memory themselves when another rank did."""
+    """Raised on ranks that did not run out of memory themselves when another rank did; ``fatal`` when that rank was
+    at its minimum micro-batch (it ends the run, and so do its peers, rather than wait for it in the next step)."""
 
-    def __init__(self) -> None:
-        super().__init__("another rank ran out of memory in this step")
+    def __init__(self, *, fatal: bool = False) -> None:
+        super().__init__("another rank ran out of memory in this step" + (" at its minimum micro-batch" if fatal else ""))
+        self.fatal = fatal
 
 
 class Agreement:
@@ -49,9 +51,10 @@ class Agreement:
         self.votes += 1
         return t.tolist()
 
-    def vote(self, params: list[torch.nn.Parameter], *, failed: bool, batch_size: int,
-             shaped: bool) -> tuple[bool, bool, list[bool], bool]:
-        """The step's one agreement, before any gradient collective: whether any rank ``failed`` (ran out of memory),
+    def vote(self, params: list[torch.nn.Parameter], *, failed: int, batch_size: int,
+             shaped: bool) -> tuple[int, bool, list[bool], bool]:
+        """The step's one agreement, before any gradient collective: the worst ``failed`` of the ranks (0: none ran out
+        of memory, 1: one did, 2: one did at its minimum micro-batch),
         whether every rank had a batch of ``batch_size`` samples, which parameters got a gradient on some rank, and
         whether any rank is ``shaped`` (its batches' sample sizes vary: it splits by its own shape).
 
@@ -69,11 +72,11 @@ class Agreement:
             except BaseException as exc:
                 if not is_oom_error(exc):
                     raise
-                failed = True
+                failed = max(failed, 1)
         values = [float(failed), float(batch_size), float(-batch_size), float(shaped),
                   *(1.0 if used else 0.0 for used in local)]
         reduced = self.max(*values)
-        any_failed, most, least, any_shaped = reduced[0] > 0, int(reduced[1]), int(-reduced[2]), reduced[3] > 0
+        any_failed, most, least, any_shaped = int(reduced[0]), int(reduced[1]), int(-reduced[2]), reduced[3] > 0
         used = [u > 0 for u in reduced[4:]]
         index = {id(p): i for i, p in enumerate(params)} if made else {}
         for p in made:

@@ -231,17 +231,17 @@ class CollectiveDrain:
             clear_fsdp_unsharded_grads(unit)
         optimizer.zero_grad(set_to_none=True)
 
-    def vote(self, agree: Agreement, failed: bool, optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-        """After the micro-batches: a rank that ``failed`` frees its attempt and issues the collectives its peers
-        still expect; then all vote (before any collective outside FSDP's, such as gradient clipping's, could meet
-        a drained one). True on every rank when any failed."""
+    def vote(self, agree: Agreement, failed: int, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+        """After the micro-batches: a rank that ``failed`` (1; 2 at its minimum micro-batch) frees its attempt and
+        issues the collectives its peers still expect; then all vote (before any collective outside FSDP's, such as
+        gradient clipping's, could meet a drained one). The worst ``failed`` of the ranks, on every rank."""
         if failed:
             self.reset(optimizer)
             release_memory((), device)
             self.drain(device)
         elif self._publish:
             self._put(self._seq, _END)  # this rank ran its micro-batches: ranks following it stop here
-        any_failed = agree.any(failed)
+        any_failed = int(agree.max(float(failed))[0])
         self.end_attempt()
         return any_failed
 

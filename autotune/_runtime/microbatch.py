@@ -181,7 +181,7 @@ class ElasticEngine:
                 if failed_in == "update":
                     self._check_replayable(optimizer, cause=exc)
                 next_micro = self._shrink(micro, n, peer=isinstance(exc, PeerOutOfMemory))
-                if next_micro is None:
+                if next_micro is None or getattr(exc, "fatal", False):
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
                 cause = exc
             else:
@@ -307,11 +307,14 @@ class ElasticEngine:
                     drain.end()
                 if loss is not None:
                     total = loss if total is None else total + loss
-            if drain is not None and drain.vote(self.agree, failure is not None, optimizer, self.device):
-                raise failure if failure is not None else PeerOutOfMemory()
+            level = 0 if failure is None else 1 + self._at_floor(self.sizes[0])
+            if drain is not None:
+                worst = drain.vote(self.agree, level, optimizer, self.device)
+                if worst:
+                    raise failure if failure is not None else PeerOutOfMemory(fatal=worst > 1)
             if self.agree.enabled and not self.sharded:
                 params = list(module.parameters())
-                self._vote(params, failure)
+                self._vote(params, failure, level)
                 self.agree.average_gradients(params, self._used)
             self._prepare_update(optimizer)
             self.phase = "update"
@@ -320,18 +323,22 @@ class ElasticEngine:
 
         return run_micro_batches
 
-    def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None) -> None:
+    def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None, level: int) -> None:
         """The step's one collective: did any rank run out of memory, have all the same batch size, which gradients to
         reduce, does any split by shape."""
         failed, same_split, self._used, shaped = self.agree.vote(
-            params, failed=failure is not None, batch_size=sum(self.sizes), shaped=self.shapes.varies)
+            params, failed=level, batch_size=sum(self.sizes), shaped=self.shapes.varies)
         self.shapes.agreed = self.shapes.agreed or shaped
         if failed:
             if failure is not None:
                 raise failure
-            raise PeerOutOfMemory()
+            raise PeerOutOfMemory(fatal=failed > 1)
         if not same_split:
             raise RuntimeError(_DIFFERENT_SPLITS)
+
+    def _at_floor(self, micro: int) -> bool:
+        """Whether an OOM at ``micro`` leaves nothing smaller to replay with (see :meth:`_shrink`)."""
+        return micro <= self.min_micro_batch_size and not (self.growing_from is not None and self.growing_from < micro)
 
     def _shrink(self, micro: int, n: int, *, peer: bool = False) -> int | None:
         """The micro-batch to replay with after an OOM at ``micro`` (this rank's, or a ``peer``'s); None when nothing
@@ -363,7 +370,7 @@ class ElasticEngine:
             shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * self.limit_bytes) if bounded else None,  # type: ignore[operator]
                                     static_bytes=static)
         shapes.model.fitted(micro, shapes.size, max(0, peak - static) if self._measure else 0)
-        grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.agreed
+        grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.varies
         if (soft or grow_due) and not shapes.agreed:  # decisions every rank must take alike: the worst rank's figures
             peak_f, static_f = self.agree.max(float(peak), float(static))
             peak, static = int(peak_f), int(static_f)

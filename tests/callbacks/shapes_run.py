@@ -31,9 +31,9 @@ BATCH, CAPACITY = 16, 16 * 12  # tokens per micro-batch: batches padded past 12 
 
 
 class RankLM(PaddedLM):
-    def __init__(self, *, rule: bool, shard: bool, fault_rank: int | None) -> None:
+    def __init__(self, *, rule: bool, shard: bool, fault_rank: int | None, from_step: int = 0) -> None:
         super().__init__(vocab_size=32, width=16, heads=2, layers=2, lr=1e-2, max_length=64)
-        self.rule, self.shard, self.fault_rank = rule, shard, fault_rank
+        self.rule, self.shard, self.fault_rank, self.from_step = rule, shard, fault_rank, from_step
         self.attempts: list[list[int]] = []
 
     def configure_model(self) -> None:
@@ -49,7 +49,8 @@ class RankLM(PaddedLM):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
         samples, length = batch["input_ids"].shape
         self.attempts.append(batch["ids"].tolist())
-        if self.rule and samples * length > CAPACITY and self.fault_rank in (None, self.global_rank):
+        if (self.rule and samples * length > CAPACITY and self.fault_rank in (None, self.global_rank)
+                and self.trainer.global_step >= self.from_step):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated: tokens rule, in forward)")
         return self.loss(batch)
 
@@ -77,15 +78,17 @@ def main() -> None:
     parser.add_argument("--mode", choices=["elastic", "native"], required=True)
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
     parser.add_argument("--fault-rank", type=int, default=None, help="only this rank's memory is limited")
+    parser.add_argument("--min-micro", type=int, default=1, help="the callback's min_micro_batch_size")
+    parser.add_argument("--from-step", type=int, default=0, help="the memory rule holds from this step on")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
     elastic = args.mode == "elastic"
-    model = RankLM(rule=elastic, shard=args.strategy == "fsdp", fault_rank=args.fault_rank)
+    model = RankLM(rule=elastic, shard=args.strategy == "fsdp", fault_rank=args.fault_rank, from_step=args.from_step)
     data = PaddedTokens(vocab_size=32, batch_size=BATCH, short=8, longest=48, num_samples=BATCH * 2 * 8, seed=3)
     data.setup("fit")  # one group of lengths per step, shared by both ranks (each rank pads to its own longest)
     loader = DataLoader(list(enumerate(data.train.samples)), batch_size=BATCH, shuffle=False, collate_fn=collate)
-    callback = ElasticBatchSize() if elastic else None
+    callback = ElasticBatchSize(min_micro_batch_size=args.min_micro) if elastic else None
     record = Record(callback)
     strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if args.strategy == "fsdp" \
         else "ddp"

@@ -177,6 +177,22 @@ def test_ranks_with_different_lengths_split_by_their_own_shape_exactly(tmp_path:
         assert ranks[0]["counts"] != ranks[1]["counts"]  # DDP: each rank its own split
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_oom_at_one_ranks_minimum_ends_every_rank_together(tmp_path: Path, strategy: str) -> None:
+    # From step 2 (both ranks split by shape by then), rank 1 runs out of memory at its minimum micro-batch (8 samples
+    # of 27 tokens) while rank 0 could go on with its own split: the step's vote tells rank 0, which ends with the
+    # same error instead of replaying into a collective rank 1 never joins.
+    proc = run_ranks([str(Path(__file__).with_name("shapes_run.py")), "--out", str(tmp_path), "--mode", "elastic",
+                      "--strategy", strategy, "--fault-rank", "1", "--min-micro", "8", "--from-step", "2"],
+                     timeout=120)
+    assert proc.returncode != 0
+    rank0, rank1 = proc.stderr.split("--- rank 1")
+    assert "OutOfMemoryAtMinimumError: Out of memory at the minimum micro-batch (this rank" in rank1
+    assert "OutOfMemoryAtMinimumError: Out of memory at the minimum micro-batch (another rank" in rank0
+    assert not list(tmp_path.glob("rank*.pt"))
+
+
 # ------------------------------------------------------------------------------------------------ CUDA
 class _Padded(torch.nn.Module):
     def __init__(self) -> None:
