@@ -122,7 +122,7 @@ class ApplyPlan(Callback):
             _to_float8(pl_module, device)
         if plan.activation_checkpointing:
             self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
-            self._undo.append(checkpoint_blocks(self.checkpointed))
+            self._undo.append(checkpoint_blocks(self.checkpointed, model=pl_module))
             log.info("autotune: checkpointing %d block(s) of %s", len(self.checkpointed),
                      type(self.checkpointed[0]).__name__ if self.checkpointed else "-")
         if plan.compile:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -327,7 +328,7 @@ class _FakeStep:
                 blocks = select_blocks(fake, plan.activation_checkpointing)
                 if low is not None:
                     _recompute_under(blocks, low, self.in_backward)
-                checkpoint_blocks(blocks)
+                checkpoint_blocks(blocks, model=fake)
             if self.gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
                 cast_unit_inputs(fake, torch.bfloat16)
             optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device),
@@ -368,12 +369,31 @@ class _FakeStep:
             opt.step()
 
 
+#: torch's loggers that report a failing operation under FakeTensorMode at length (tens of lines of stack on stderr)
+#: before the error reaches the estimator, which reports it in one line.
+_TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch's tracing loggers silenced while a step is traced, their levels restored after."""
+    loggers = [logging.getLogger(name) for name in _TRACE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _trace(traces: Traces, micro: int) -> _Traced:
     fake = traces.fake_step()
     plan, device, size, what_if = traces.plan, traces.trace_device, traces.size, traces.what_if
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
     accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
-    with fake.entered():
+    with fake.entered(), _quiet_torch_logs():
         inputs, input_tensors = fake_batch(fake.mode, part, device, fake.precision)
         try:
             if not fake.warm:
@@ -392,9 +412,12 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             if not isinstance(error, (RuntimeError, NotImplementedError, TypeError)):
                 raise
             message = " ".join(str(error).split())[:300]
-            raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step under FakeTensorMode "
-                             f"({type(error).__name__}: {message}); the estimator cannot trace steps that read "
-                             "tensor values (such as .item() or data-dependent shapes)") from error
+            reads_values = "DataDependent" in type(error).__name__ or "_local_scalar_dense" in message
+            hint = ("; the estimator cannot trace steps that read tensor values (such as .item() or data-dependent "
+                    "shapes)") if reads_values else ""
+            raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step with plan "
+                             f"[{plan.describe()}] under FakeTensorMode ({type(error).__name__}: {message}){hint}"
+                             ) from error
         optimizers = fake.optimizers
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)

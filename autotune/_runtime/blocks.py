@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,13 +68,24 @@ def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Modu
     return chosen
 
 
-def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Callable[[], None]:
-    """Recompute ``blocks`` in backward (non-reentrant ``torch.utils.checkpoint``); returns a function undoing it.
+def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Callable[[], None]:
+    """Recompute ``blocks`` of ``model`` in backward (non-reentrant ``torch.utils.checkpoint``); returns a function
+    undoing it. The runtime (``ApplyPlan``) and the estimator both checkpoint through here.
 
-    The random state is preserved by ``checkpoint``, so dropout inside a block recomputes identically.
+    The random state is preserved by ``checkpoint``, so dropout inside a block recomputes identically. A block that
+    checkpoints itself already (a ``gradient_checkpointing`` flag that is on, as transformers' layers have after
+    ``gradient_checkpointing_enable()``) is left to its own, not checkpointed twice. A model that keeps a key/value
+    cache in training (``config.use_cache``, transformers' default) has it off while blocks are checkpointed: a
+    recompute would append the block's keys to the cache a second time, as transformers' own checkpointing knows.
     """
-    undo = []
+    undo: list[tuple[nn.Module, bool, Any]] = []
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
+               is True}
+    for config in configs.values():
+        config.use_cache = False
     for block in blocks:
+        if getattr(block, "gradient_checkpointing", False) is True:
+            continue  # its own checkpointing is on
         had = "forward" in block.__dict__
         original = block.forward
 
@@ -87,6 +99,8 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Callable[[], None]:
         undo.append((block, had, original))
 
     def restore() -> None:
+        for config in configs.values():
+            config.use_cache = True
         for block, had, original in undo:
             if had:
                 block.forward = original  # type: ignore[method-assign]
