@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from autotune import Plan  # noqa: E402
 from autotune.callbacks import ApplyPlan  # noqa: E402
+from tests.ranks import exit_rank  # noqa: E402
 
 #: 6 blocks of 1.18 M parameters (4.7 MB in fp32), a root holding the head; one rank's batch is 8 x 64 tokens.
 WIDTH, DEPTH, CLASSES, TOKENS, BATCH = 384, 6, 16, 64, 8
@@ -300,11 +300,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Gloo's worker threads can abort the interpreter's shutdown while the process group is alive at exit: end it
-    # first, and skip C++ static destructors (docs/troubleshooting.md).
-    if torch.distributed.is_initialized():
-        gc.collect()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()

@@ -53,3 +53,19 @@ def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180) -> subpr
         raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=stdout, stderr=stderr)
     code = next((p.returncode for r, p in enumerate(procs) if p.returncode and r not in killed), 0)
     return subprocess.CompletedProcess([sys.executable, *argv], code, stdout, stderr)
+
+
+def exit_rank() -> None:
+    """End a rank's process after its work: the process group first (gloo's worker threads can abort the interpreter's
+    shutdown while it is alive), then exit without C++ static destructors, where the abort still struck once with the
+    group ended (docs/troubleshooting.md)."""
+    import gc
+
+    import torch
+
+    if torch.distributed.is_initialized():
+        gc.collect()  # cycles that hold gloo work (a replayed attempt's frames) go while the group is alive
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

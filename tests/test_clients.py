@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -119,3 +121,107 @@ def test_an_untraceable_step_is_one_line_without_torch_s_log_flood() -> None:
     assert re.fullmatch(r"cannot trace BadMask.training_step with plan \[32-true, micro all\] under FakeTensorMode "
                         r"\(RuntimeError: .*\)\n", proc.stdout), proc.stdout
     assert "fake_tensor" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ the suite
+def _tokens(vocab: int = 64, length: int = 12) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    def make(size: int, seed: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(vocab, (size, length), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return make
+
+
+def _images(size_px: int = 32, classes: int = 5) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    def make(size: int, seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {"pixel_values": torch.randn(size, 3, size_px, size_px, generator=g),
+                "labels": torch.randint(classes, (size,), generator=g)}
+    return make
+
+
+#: Models people train with Lightning, each from a small config (no download), with a batch maker.
+CLIENTS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int, int], dict[str, torch.Tensor]]]] = {
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32)), _tokens()),
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(  # rotary embeddings, grouped-query
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)), _tokens()),
+    "bert-mlm": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64)), _tokens()),
+    "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)), _tokens()),
+    "vit": (lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5)), _images()),
+    "resnet": (lambda: transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)), _images()),
+    "convnext": (lambda: transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=5)), _images()),
+}
+
+
+class Client(L.LightningModule):
+    """Any of the suite's models, trained on its own loss; an OOM is raised at the end of forward for micro-batches
+    larger than ``limit`` at step 0 (``limit`` None: never)."""
+
+    def __init__(self, name: str, limit: int | None = None) -> None:
+        super().__init__()
+        self.model, self.limit = CLIENTS[name][0](), limit
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        size = next(iter(batch.values())).shape[0]
+        loss = self.model(**batch).loss  # dropout has drawn its masks: a replay must draw the same ones
+        if self.limit is not None and size > self.limit and self.trainer.global_step == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated at the end of forward)")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_a_client_model_is_estimated_with_each_checkpointing_plan_and_what_if_on_cuda(name: str) -> None:
+    torch.manual_seed(0)
+    module = Client(name)
+    batch = CLIENTS[name][1](8, 0)
+    found = {c: estimate(model=module, batch=batch, plan=Plan(activation_checkpointing=c), device="cpu")
+             for c in (0.0, 0.5, 1.0)}
+    assert found[1.0].activations_bytes <= found[0.5].activations_bytes <= found[0.0].activations_bytes
+    assert found[1.0].activations_bytes < found[0.0].activations_bytes, "checkpointing the blocks saved nothing"
+    cuda = estimate(model=module, batch=batch, plan=Plan(precision="bf16-mixed", activation_checkpointing=1.0),
+                    device="cuda")
+    assert cuda.predicted_peak_bytes > 0
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_a_client_model_replays_an_oom_exactly_as_lightning_accumulates(name: str) -> None:
+    from autotune.callbacks import ElasticBatchSize
+
+    batches = [CLIENTS[name][1](8, seed) for seed in range(2)]
+    halves = [{k: v[i:i + 4] for k, v in b.items()} for b in batches for i in (0, 4)]
+
+    def fit(module: Client, data: list[dict[str, torch.Tensor]], **kwargs: Any) -> list[torch.Tensor]:
+        L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, **kwargs).fit(module, DataLoader(data, batch_size=None))
+        return [p.detach().clone() for p in module.parameters()]
+
+    torch.manual_seed(0)
+    native = fit(Client(name), halves, accumulate_grad_batches=2)
+    torch.manual_seed(0)
+    elastic = ElasticBatchSize(grow=False)
+    replayed = fit(Client(name, limit=4), batches, callbacks=[elastic])
+    assert [(e.kind, e.previous, e.micro_batch_size) for e in elastic.events] == [("oom", 8, 4)]
+    assert max(float((a - b).abs().max()) for a, b in zip(native, replayed)) == 0.0
+
+
+#: The blocks checkpointing (and FSDP2 sharding, and regional compile) finds in each model: docs/plan.md's table.
+BLOCKS = {"gpt2": ("GPT2Block", 2), "llama": ("LlamaDecoderLayer", 2), "bert-mlm": ("BertLayer", 2),
+          "t5": ("T5Block", 4), "vit": ("ViTLayer", 2), "resnet": ("ResNetConvLayer", 7),
+          "convnext": ("ConvNextStage", 2)}
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_the_blocks_found_are_the_model_s_own_unit(name: str) -> None:
+    blocks = find_blocks(CLIENTS[name][0]())
+    assert {type(b).__name__ for b in blocks} == {BLOCKS[name][0]} and len(blocks) == BLOCKS[name][1]

@@ -19,20 +19,29 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     Like FSDP's transformer auto-wrap policy, but found automatically: every class with at least two instances that
     hold parameters is a candidate (instances nested in another instance of the same class are skipped); the class
     with the most instances wins, ties going to the class holding more parameters. Leaf layers (``nn.Linear`` and
-    other modules without submodules) are not blocks.
+    other modules without submodules) are not blocks. Where the model's layers declare their own checkpointing switch
+    (a class-level ``gradient_checkpointing`` flag, as transformers' ``GradientCheckpointingLayer`` subclasses do),
+    only those classes are candidates: the model's authors' unit of recomputation.
 
     Example:
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        >>> class Block(nn.Sequential): ...
+        >>> net = nn.Sequential(*[Block(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
         >>> len(find_blocks(net))
         3
     """
     by_class: dict[type, list[nn.Module]] = {}
+    own: dict[type, list[nn.Module]] = {}  # layers that declare their own checkpointing switch
     for module in model.modules():
         if module is model or not any(True for _ in module.children()):
             continue
         if not any(True for _ in module.parameters()):
             continue
         by_class.setdefault(type(module), []).append(module)
+        if isinstance(getattr(type(module), "gradient_checkpointing", None), bool):
+            own.setdefault(type(module), []).append(module)
+    if any(len(modules) > 1 for modules in own.values()):
+        by_class = own  # the model's own checkpointing unit (transformers' GradientCheckpointingLayer: T5Block, not the
+        # six T5Attention modules that the count alone would pick)
     best: list[nn.Module] = []
     best_key = (1, 0)
     for cls, modules in by_class.items():

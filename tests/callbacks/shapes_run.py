@@ -6,8 +6,6 @@ forward (``--mode elastic``) or on whole batches without the callback (``--mode 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from autotune.callbacks import ElasticBatchSize  # noqa: E402
+from tests.ranks import exit_rank  # noqa: E402
 
 BATCH, CAPACITY = 16, 16 * 12  # tokens per micro-batch: batches padded past 12 tokens are split
 
@@ -107,9 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        gc.collect()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()
