@@ -162,22 +162,43 @@ CLIENTS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int, int], dic
 
 
 class Client(L.LightningModule):
-    """Any of the suite's models, trained on its own loss; an OOM is raised at the end of forward for micro-batches
-    larger than ``limit`` at step 0 (``limit`` None: never)."""
+    """Any of the suite's models, trained on its own loss. At step 0, micro-batches larger than ``limit`` run out of
+    memory ``where`` a real OOM surfaces: at the end of "forward" (dropout's masks drawn), in "backward" (a hook on
+    the loss) or in the "update" once it changed everything (the first, which creates AdamW's state: the replay must
+    put the weights and the state back); ``limit`` None: never."""
 
-    def __init__(self, name: str, limit: int | None = None) -> None:
+    def __init__(self, name: str, limit: int | None = None, where: str = "forward") -> None:
         super().__init__()
-        self.model, self.limit = CLIENTS[name][0](), limit
+        self.model, self.limit, self.where, self.size = CLIENTS[name][0](), limit, where, 0
+
+    def _faults(self) -> bool:
+        return self.limit is not None and self.size > self.limit and self.trainer.global_step == 0
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        size = next(iter(batch.values())).shape[0]
+        self.size = next(iter(batch.values())).shape[0]
         loss = self.model(**batch).loss  # dropout has drawn its masks: a replay must draw the same ones
-        if self.limit is not None and size > self.limit and self.trainer.global_step == 0:
+        if self._faults() and self.where == "forward":
             raise torch.OutOfMemoryError("CUDA out of memory (simulated at the end of forward)")
+        if self._faults() and self.where == "backward":
+            loss.register_hook(lambda grad: _raise("backward"))
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        module = self
+
+        class FaultyAdamW(torch.optim.AdamW):
+            def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+                loss = closure() if closure is not None else None
+                super().step()
+                if module._faults() and module.where == "update":
+                    _raise("the update, after it changed the weights and made AdamW's state")
+                return loss
+
+        return FaultyAdamW(self.parameters(), lr=1e-3)
+
+
+def _raise(where: str) -> None:
+    raise torch.OutOfMemoryError(f"CUDA out of memory (simulated in {where})")
 
 
 @pytest.mark.parametrize("name", sorted(CLIENTS))
@@ -194,8 +215,9 @@ def test_a_client_model_is_estimated_with_each_checkpointing_plan_and_what_if_on
     assert cuda.predicted_peak_bytes > 0
 
 
+@pytest.mark.parametrize("where", ["forward", "backward", "update"])
 @pytest.mark.parametrize("name", sorted(CLIENTS))
-def test_a_client_model_replays_an_oom_exactly_as_lightning_accumulates(name: str) -> None:
+def test_a_client_model_replays_an_oom_exactly_as_lightning_accumulates(name: str, where: str) -> None:
     from autotune.callbacks import ElasticBatchSize
 
     batches = [CLIENTS[name][1](8, seed) for seed in range(2)]
@@ -210,8 +232,9 @@ def test_a_client_model_replays_an_oom_exactly_as_lightning_accumulates(name: st
     native = fit(Client(name), halves, accumulate_grad_batches=2)
     torch.manual_seed(0)
     elastic = ElasticBatchSize(grow=False)
-    replayed = fit(Client(name, limit=4), batches, callbacks=[elastic])
-    assert [(e.kind, e.previous, e.micro_batch_size) for e in elastic.events] == [("oom", 8, 4)]
+    replayed = fit(Client(name, limit=4, where=where), batches, callbacks=[elastic])
+    phase = "update" if where == "update" else "closure"
+    assert [(e.kind, e.previous, e.micro_batch_size, e.where) for e in elastic.events] == [("oom", 8, 4, phase)]
     assert max(float((a - b).abs().max()) for a, b in zip(native, replayed)) == 0.0
 
 
@@ -225,3 +248,24 @@ BLOCKS = {"gpt2": ("GPT2Block", 2), "llama": ("LlamaDecoderLayer", 2), "bert-mlm
 def test_the_blocks_found_are_the_model_s_own_unit(name: str) -> None:
     blocks = find_blocks(CLIENTS[name][0]())
     assert {type(b).__name__ for b in blocks} == {BLOCKS[name][0]} and len(blocks) == BLOCKS[name][1]
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload(name: str) -> None:
+    batches = [CLIENTS[name][1](4, seed) for seed in range(2)]
+
+    def fit(**plan: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        module = Client(name)
+        L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[ApplyPlan(**plan)] if plan else []).fit(
+            module, DataLoader(batches, batch_size=None))
+        return [p.detach().clone() for p in module.parameters()]
+
+    plain = fit()
+    applied = fit(activation_checkpointing=0.5, activation_offload=True)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, applied)) < 1e-5  # fp32 rounding at most
+    module = Client(name)
+    offloaded = estimate(model=module, batch=batches[0], plan=Plan(activation_offload=True), device="cuda")
+    kept = estimate(model=module, batch=batches[0], plan=Plan(), device="cuda")
+    assert offloaded.activations_bytes < kept.activations_bytes  # what-if CUDA: saved tensors go to the host
