@@ -198,9 +198,9 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
     optimizer: Any = _optimizer(model)
     if plan.optimizer_offload:
         optimizer = _offloaded(optimizer)
-    size = batch[0].shape[0]  # every batch here is a tuple of tensors, samples first
+    size = _tensors(batch)[0].shape[0]  # a tuple or a dict of tensors, samples first
     micro = plan.micro_batch_size or size
-    parts = [tuple(t[i:i + micro] for t in batch) for i in range(0, size, micro)]
+    parts = [_slice(batch, i, i + micro) for i in range(0, size, micro)]
 
     def step() -> None:
         offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if plan.activation_offload
@@ -308,6 +308,12 @@ def _tensors(batch: Any) -> list[Tensor]:
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, found.append)
     return found
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: v[start:stop] for k, v in batch.items()}
+    return tuple(t[start:stop] for t in batch)
 
 
 def _to(batch: Any, device: torch.device, precision: Any) -> Any:

@@ -269,3 +269,38 @@ def test_a_client_model_trains_the_same_with_checkpointing_and_activation_offloa
     offloaded = estimate(model=module, batch=batches[0], plan=Plan(activation_offload=True), device="cuda")
     kept = estimate(model=module, batch=batches[0], plan=Plan(), device="cuda")
     assert offloaded.activations_bytes < kept.activations_bytes  # what-if CUDA: saved tensors go to the host
+
+
+def _accuracy_cases() -> list[Any]:
+    cases = []
+    for name in sorted(CLIENTS):
+        for ckpt in (0.0, (BLOCKS[name][0],)):
+            marks = []
+            if name == "convnext":
+                marks.append(pytest.mark.xfail(strict=True, reason="under-predicted by 56% (1.4 MiB of 2.4 MiB): a "
+                                                                   "CPU convolution buffer the estimator does not see"))
+            if name == "t5" and ckpt:
+                continue  # the benchmark's own checkpointing of T5Block fails its recompute check (not ours: ApplyPlan
+                # trains it, and the estimate is traced above)
+            cases.append(pytest.param(name, ckpt, marks=marks, id=f"{name}-{'ckpt' if ckpt else 'none'}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "ckpt"), _accuracy_cases())
+def test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy(name: str, ckpt: Any) -> None:
+    from tests.test_estimate import bench  # the estimator benchmark's measured peak (profiler's allocator events)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        module = Client(name)
+        if hasattr(module.model.config, "use_cache"):
+            module.model.config.use_cache = False  # the benchmark's checkpointing does not switch it off itself
+        batch = CLIENTS[name][1](8, 0)
+        plan = Plan(activation_checkpointing=ckpt)
+        predicted = estimate(model=module, batch=batch, plan=plan, device="cpu").predicted_peak_bytes
+        measured = bench.measure_peak(model=module, batch=batch, plan=plan, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(predicted - measured) <= 0.10 * measured, f"{predicted} vs {measured} bytes"  # docs: 10% on CPU
