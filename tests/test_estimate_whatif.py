@@ -295,3 +295,10 @@ def test_estimate_at_a_sequence_length_traces_the_batch_cut_or_filled_to_it(caps
     assert peaks["256"] > 3 * peaks["16"]
     assert main(["estimate", padded, "--device", "cuda", "--device-memory", "80GiB", "--seq-len", "0"]) == 2
     assert "--seq-len must be a positive int; got '0'" in capsys.readouterr().err
+
+
+def test_a_meta_model_s_cpu_estimate_says_once_where_its_baseline_came_from(capsys, meta_target):
+    assert main(["estimate", meta_target, "--budget", "1GiB", "--device", "cpu", "--precision", "32-true"]) == 0
+    out = capsys.readouterr().out
+    assert "measured here" not in out  # its short training run cannot run without weights
+    assert "in place of the process baseline, which could not be measured" in out

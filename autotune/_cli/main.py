@@ -155,16 +155,17 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if most is not None:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
                              usable=budget_bytes, most=most, seq_len=seq_len)
-    baseline = 0
+    baseline, measured = 0, False
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.rank import SearchEstimator
 
         estimator = SearchEstimator(target, resolved)
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
-        baseline = estimator.baseline
+        baseline, measured = estimator.baseline, estimator.calibrated
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
                            micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len)
-    print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json else format_estimate_table(rows))
+    print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json
+          else format_estimate_table(rows, baseline_measured=measured))
     return _EXIT_OK
 
 
@@ -225,8 +226,9 @@ def _size_option(name: str, value: str | None) -> int | None:
     return int(parsed.value)  # type: ignore[arg-type]
 
 
-def format_estimate_table(rows: Sequence[Any]) -> str:
-    """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro.
+def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True) -> str:
+    """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro;
+    ``baseline_measured``: whether the rows' process baseline (CPU) was measured, or is this process's memory.
 
     Example:
         >>> print(format_estimate_table(rows))  # doctest: +SKIP
@@ -251,10 +253,14 @@ def format_estimate_table(rows: Sequence[Any]) -> str:
     lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
              f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}".rstrip() for line in table]
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
-    if first.baseline_bytes:
+    if first.baseline_bytes and baseline_measured:
         notes[f"the peaks include the process baseline measured here, {format_bytes(first.baseline_bytes)} (a short "
               "training run's peak less its tensors): on CPU the budget is the process's resident set net of file "
               "pages, as for a search's trials"] = None
+    elif first.baseline_bytes:
+        notes[f"the peaks include this process's memory now, {format_bytes(first.baseline_bytes)}, in place of the "
+              "process baseline, which could not be measured (the short training run failed): on CPU the budget is "
+              "the process's resident set net of file pages"] = None
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 
