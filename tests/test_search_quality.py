@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,15 @@ def _truth(point: dict) -> float:
     return true_throughput(**point)
 
 
-def _random_search_chance() -> float:
-    """The chance that random search with the same 6 trials tries the best plan at all (each trial a uniform draw
-    from the space's points, measured exactly: its best case)."""
-    return 1 - (1 - 1 / len(POINTS)) ** 6
+def _random_search_found(seeds: int, best: dict) -> int:
+    """Of ``seeds`` random searches with the same 6 trials (each a uniform draw from the space's points, as Optuna's
+    RandomSampler makes them, measured exactly: random search's best case), how many chose ``best``."""
+    found = 0
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        feasible = [p for p in (rng.choice(POINTS) for _ in range(6)) if _fits(p)]
+        found += bool(feasible) and max(feasible, key=_truth) == best
+    return found
 
 
 @pytest.mark.slow
@@ -80,7 +86,8 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_and_random_search_does
     chosen = [f"{c['precision']} m{c['micro_batch_size']} c{c['activation_checkpointing']}"
               for c in (run["chosen"] for run in result["runs"])]
     assert found >= 9, (result["pace"], result["budget_bytes"], chosen)
-    assert _random_search_chance() < 0.45  # random search: 4 of 10 seeds expected, at best (9 or more in 0.2%)
+    random_found = _random_search_found(SEEDS, best)  # 4 of 10 seeds expected (9 or more in 0.2% of seed sets)
+    assert found >= random_found + 3, (found, random_found)  # the search measured against random search's best case
 
 
 @pytest.mark.slow
