@@ -201,5 +201,7 @@ def test_gpu_spaces_drop_fp8_and_low_bit_state_where_they_cannot_run(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     without = load_space("multi_gpu").for_device(cpu, batch_size=32)
     assert dims(without)["optimizer_state"] == ("full",)
+    assert "bf16-true" not in dims(load_space("default").for_device(cpu, batch_size=32))["precision"]  # every trial
+    # of it would fail at fit: Adam and AdamW's bf16 updates need torchao's stochastic rounding
     assert ("optimizer_state='8bit' dropped: the torchao package is not installed "
             "(pip install 'lightning-autotune[torchao]')") in without.notes
