@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The stages from the bottom up; a module may import from its own stage and the ones below it.
@@ -161,16 +163,42 @@ UPSTREAM_SUBCLASS_INTERNALS = frozenset({"_curr_mem_snap", "_peak_mem", "_peak_m
 UPSTREAM_INTERNALS = frozenset({"param_d2h_map", "optim_dict", "d_opt"})
 
 
-def _private_upstream_uses(path: Path) -> list[str]:
-    """Where ``path`` reaches into private upstream API: private upstream modules or names imported, attribute
-    chains from an upstream package with a private part, and the known private names of upstream objects."""
-    found = []
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
 
-    def private(part: str) -> bool:
-        return part.startswith("_") and not part.startswith("__")
+
+def _own_private_names() -> frozenset[str]:
+    """The private names autotune defines itself (functions, classes, module constants, attributes it assigns): an
+    access to any other private attribute, on anything but ``self``/``cls``, is someone else's private API."""
+    names: set[str] = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for part in ast.walk(target):
+                        if isinstance(part, ast.Name):
+                            names.add(part.id)
+                        elif isinstance(part, ast.Attribute):
+                            names.add(part.attr)
+    return (frozenset(n for n in names if _private(n)) | DOCUMENTED_UNDERSCORED) - UPSTREAM_PRIVATE_NAMES \
+        - UPSTREAM_SUBCLASS_INTERNALS
+
+
+#: Names public despite their underscore: ``os._exit``, namedtuples' documented methods.
+DOCUMENTED_UNDERSCORED = frozenset({"_exit", "_replace", "_asdict", "_fields", "_make"})
+
+
+def _private_upstream_uses(path: Path, own: frozenset[str] = frozenset()) -> list[str]:
+    """Where ``path`` reaches into private upstream API: private upstream modules or names imported, attribute
+    chains from an upstream package with a private part, the known private names of upstream objects, and (given
+    ``own``, the private names autotune defines) any other private attribute of an object that is not ``self``."""
+    found = []
+    private = _private
 
     for node in ast.walk(ast.parse(path.read_text())):
-        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) and not node.level else []
@@ -185,7 +213,8 @@ def _private_upstream_uses(path: Path) -> list[str]:
                 base = base.value
             on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
             upstream_chain = isinstance(base, ast.Name) and base.id in UPSTREAM and any(map(private, chain))
-            if (upstream_chain or node.attr in UPSTREAM_SUBCLASS_INTERNALS
+            unknown = bool(own) and not on_self and private(node.attr) and node.attr not in own
+            if (upstream_chain or unknown or node.attr in UPSTREAM_SUBCLASS_INTERNALS
                     or (not on_self and node.attr in UPSTREAM_PRIVATE_NAMES | UPSTREAM_INTERNALS)):
                 found.append(f"{where}: {ast.unparse(node)}")
         elif isinstance(node, ast.Constant) and node.value in UPSTREAM_PRIVATE_NAMES | UPSTREAM_SUBCLASS_INTERNALS:
@@ -196,8 +225,8 @@ def _private_upstream_uses(path: Path) -> list[str]:
 
 
 def test_only_compat_reaches_into_private_upstream_api() -> None:
-    compat = ROOT / "autotune" / "_compat.py"
-    found = [use for path in _modules().values() if path != compat for use in _private_upstream_uses(path)]
+    compat, own = ROOT / "autotune" / "_compat.py", _own_private_names()
+    found = [use for path in _modules().values() if path != compat for use in _private_upstream_uses(path, own)]
     assert found == [], "private upstream API outside autotune/_compat.py (add a function there): " + "; ".join(found)
 
 
@@ -208,3 +237,11 @@ def test_the_private_api_check_sees_what_compat_does() -> None:
                      "torch.nn.modules.batchnorm._BatchNorm", "string '_current_fx_name'", "study._storage",
                      "overrides _update_peak_stats", "self._curr_mem_snap", "offload.param_d2h_map"):
         assert expected in found
+
+
+@pytest.mark.parametrize("access", ["trainer.fit_loop._data_fetcher", "trainer.strategy._launcher"])
+def test_the_private_api_check_sees_a_private_name_it_was_never_told_of(tmp_path: Path, access: str) -> None:
+    module = tmp_path / "runtime_module.py"
+    module.write_text(f"def peek(trainer):\n    return {access}\n")
+    uses = _private_upstream_uses(module, _own_private_names())
+    assert [use.split(": ", 1)[1] for use in uses] == [access]
