@@ -20,14 +20,20 @@ _WARN_ONCE = {
 }
 
 
-_HALF_APPLIED = ("Out of memory inside the optimizer update{who} after it had changed parameters or optimizer state: "
+_HALF_APPLIED = ("Out of memory inside the optimizer update after it had changed parameters or optimizer state: "
                  "the update is half-applied and cannot be replayed. {why}")
 _WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
                "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
                "raise the budget, or build the optimizer with foreach=False.")
 _DIFFERENT_SPLITS = (
-    "ElasticBatchSize: the ranks got batches of different sizes this step; every rank must see the same batch size (Lightning's DistributedSampler pads the "
-    "ranks to equal shares; keep use_distributed_sampler=True or pad a custom sampler).")
+    "ElasticBatchSize: the ranks got batches of different sizes this step; every rank must see the same batch size "
+    "(Lightning's DistributedSampler pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom "
+    "sampler).")
+#: Under DDP and FSDP2 a steady-state update's OOM is not replayed, changed or not: the peers applied theirs.
+_STEADY_OF_A_RANK = ("Out of memory inside the optimizer update of this rank in a steady-state step (its optimizer "
+                     "state existed already, so no host copy protects it): under DDP and FSDP2 it is not replayed, "
+                     "whether or not it changed anything here, because the other ranks have applied theirs; they stop "
+                     "with it. {why}")
 _SHARDED_EVAL_OOM = ("Out of memory in {stage} under FSDP2 (ModelParallelStrategy): evaluation batches are not split "
                      "under FSDP2 (one rank splitting alone would meet its peers' all-gathers out of order); the run "
                      "stops on every rank. Lower the {stage} batch size.")

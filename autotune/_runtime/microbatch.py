@@ -29,7 +29,8 @@ from autotune._runtime.batch import (
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
 from autotune._runtime.events import (
-    _DIFFERENT_SPLITS, _HALF_APPLIED, _SHARDED_EVAL_OOM, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
+    _DIFFERENT_SPLITS, _HALF_APPLIED, _SHARDED_EVAL_OOM, _STEADY_OF_A_RANK, _WARN_ONCE, _WHY_OFF, _WHY_STEADY,
+    ElasticEvent,
 )
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
@@ -265,11 +266,12 @@ class ElasticEngine:
             if self.agree.enabled:
                 self.agree.any(True)  # the peers' vote after their update
             return
-        if not self.agree.enabled and update_fingerprint(optimizer) == self._fingerprint:
-            return
-        who = " (of this rank; the other ranks stop with it)" if self.agree.enabled else ""
         why = _WHY_STEADY if self.protect_update else _WHY_OFF
-        raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(who=who, why=why)) from cause
+        if self.agree.enabled:
+            raise OutOfMemoryAtMinimumError(_STEADY_OF_A_RANK.format(why=why)) from cause
+        if update_fingerprint(optimizer) == self._fingerprint:
+            return
+        raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(why=why)) from cause
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
         """The model's torchmetrics states now (the metrics are looked up once per fit)."""
