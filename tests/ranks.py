@@ -3,8 +3,9 @@ once, with the rank variables in its environment (Lightning then creates no proc
 launcher starts rank 1 only once rank 0 reached ``fit``, so the two imports of torch and Lightning ran one after the
 other: about 3 s more per run on a 2-core machine.
 
-As Lightning's launcher and ``torchrun`` do, the other ranks are killed once one rank has failed; past ``timeout`` all
-are killed and ``subprocess.TimeoutExpired`` is raised (a hang fails the test).
+Every rank runs to its own end (a rank that would wait forever for a failed peer is seen hanging); past ``timeout`` all
+are killed and ``subprocess.TimeoutExpired`` is raised (a hang fails the test). Lightning's launcher and ``torchrun``
+kill the other ranks once one has failed: ``stop_peers=True`` does that too.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ import time
 from pathlib import Path
 
 
-def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180,
+              stop_peers: bool = False) -> subprocess.CompletedProcess[str]:
     """``python *argv`` on ``ranks`` ranks; the returned process's return code is the first failing rank's (0 when
-    every rank succeeded), its stdout and stderr every rank's in turn."""
+    every rank succeeded), its stdout and stderr every rank's in turn.
+
+    Every rank runs to its own end: a rank left waiting for a failed peer is a hang, and fails the test at ``timeout``
+    (``subprocess.TimeoutExpired``). ``stop_peers``: kill the other ranks once one fails, as Lightning's launcher and
+    torchrun do (a test of what a user sees, not of whether the ranks end by themselves)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -35,7 +41,7 @@ def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180) -> subpr
         deadline, timed_out, killed = time.monotonic() + timeout, False, set()
         try:
             while any(p.poll() is None for p in procs):
-                if any(p.returncode not in (None, 0) for p in procs):
+                if stop_peers and any(p.returncode not in (None, 0) for p in procs):
                     break
                 if time.monotonic() > deadline:
                     timed_out = True
