@@ -25,14 +25,17 @@ class ShardedToy(ToyModel):
     """The toy model with each linear layer sharded, then the root (as one shards each block of a transformer);
     ``reshard``: the layers' reshard_after_forward; ``bf16``: bf16 parameters, fp32 gradient reduction."""
 
-    def __init__(self, *, reshard: bool = True, bf16: bool = False, **kwargs: object) -> None:
+    def __init__(self, *, reshard: bool = True, bf16: bool = False, one_unit: bool = False, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.reshard_layers, self.bf16 = reshard, bf16
+        self.reshard_layers, self.bf16, self.one_unit = reshard, bf16, one_unit
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
         extra = {"mp_policy": policy} if policy is not None else {}
+        if self.one_unit:  # the whole network one FSDP unit: its gradients stay unsharded through its backward
+            fully_shard(self.net, mesh=mesh, **extra)
+            return
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_layers, **extra)
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--grow-after", type=int, default=None, help="elastic: grow back after this many clean steps")
     parser.add_argument("--toy-reshard", choices=["true", "false"], default="true")
     parser.add_argument("--bf16-policy", action="store_true", help="bf16 parameters, fp32 reduction (FSDP2 policy)")
+    parser.add_argument("--one-unit", action="store_true", help="shard the network as one FSDP unit")
     parser.add_argument("--out", required=True)
     parser.add_argument("--composed", action="store_true",
                         help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
@@ -60,7 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.gpt:
         return gpt(args)
-    toy = {"reshard": args.toy_reshard == "true", "bf16": args.bf16_policy}
+    toy = {"reshard": args.toy_reshard == "true", "bf16": args.bf16_policy, "one_unit": args.one_unit}
     if args.mode == "elastic":
         steps = (lambda s: True) if args.at_step is None else (lambda s: s == args.at_step)
         fault = Fault(args.where, limit=8, rank=args.rank, steps=steps) if args.where else None

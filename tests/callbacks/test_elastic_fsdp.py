@@ -99,6 +99,18 @@ def test_an_oom_on_one_rank_under_fsdp2_is_replayed_and_matches_native_accumulat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step", [0, 1])
+def test_an_oom_inside_a_units_backward_after_some_of_its_gradients_is_replayed_exactly(
+        native8: Any, tmp_path: Path, step: int) -> None:
+    # The network is one FSDP unit: its backward accumulates the last layer's gradient unsharded, then runs out of
+    # memory at the first layer. The replay must drop that gradient (clear_fsdp_unsharded_grads): without it the
+    # replayed step adds it to its own, 0.044 from Lightning's accumulation (issue 29, finding 3).
+    elastic = results(tmp_path, run(tmp_path, "--mode", "elastic", "--where", "mid_backward", "--rank", "0",
+                                    "--at-step", str(step), "--one-unit"))
+    check_replayed(elastic, native8("--one-unit"), [("oom", 16, 8)])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("toy", [("--toy-reshard", "false"), ("--bf16-policy",)], ids=["zero2", "bf16-policy"])
 def test_the_fsdp2_replay_holds_without_reshard_after_forward_and_with_a_bf16_policy(
         native8: Any, tmp_path: Path, toy: tuple[str, ...]) -> None:

@@ -21,7 +21,8 @@ IN, OUT = 8, 2
 
 @dataclass
 class Fault:
-    where: str  # "forward" | "backward" | "step" (after a partial update) | "step_start" (before it) | "validation"
+    where: str  # "forward" | "backward" | "mid_backward" (after the last layers' gradients) | "step" (after a partial
+    # update) | "step_start" (before it) | "validation"
     limit: int  # micro-batches larger than this run out of memory
     steps: Callable[[int], bool] = lambda step: True  # at which global steps
     rank: int | None = None  # only on this rank (DDP)
@@ -133,7 +134,16 @@ class ToyModel(L.LightningModule):
         fault = self.fault
         if fault is not None and fault.where == "forward" and fault.fires(step, len(ids), self.global_rank):
             raise oom()
+        hook = None
+        if fault is not None and fault.where == "mid_backward" and fault.fires(step, len(ids), self.global_rank):
+            # In the backward of the first layer's output: the layers after it have their gradients already
+            def fail_in_its_backward(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+                output.register_hook(lambda grad: (_ for _ in ()).throw(oom()))
+
+            hook = self.net[0].register_forward_hook(fail_in_its_backward)
         out = self.net(x)
+        if hook is not None:
+            hook.remove()
         if fault is not None and fault.where == "backward" and fault.fires(step, len(ids), self.global_rank):
             out.register_hook(lambda grad: (_ for _ in ()).throw(oom()))
         loss = nn.functional.mse_loss(out, y)
