@@ -3,6 +3,8 @@ loss as a run has them, traced on fake tensors (see :mod:`autotune._estimate.est
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import SimpleNamespace
@@ -180,3 +182,22 @@ def with_optimizer_state(optimizers: list[Any], state: str, bf16_weights: bool) 
     (:class:`LowBitStandIn`), else the user's; ValueError for an optimizer it refuses."""
     return [LowBitStandIn(opt, state) if replaces(opt, state=state, bf16_weights=bf16_weights) else opt
             for opt in optimizers]
+
+
+#: torch's loggers that report a failing operation under FakeTensorMode at length (tens of lines of stack on stderr)
+#: before the error reaches the estimator, which reports it in one line.
+_TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torch's tracing loggers silenced while a step is traced, their levels restored after."""
+    loggers = [logging.getLogger(name) for name in _TRACE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from autotune._estimate.fake_step import (
     offloaded_host_bytes,
     optimizers_of,
     precision_plugin,
+    quiet_torch_logs,
     step_tracker,
     with_optimizer_state,
 )
@@ -369,31 +369,12 @@ class _FakeStep:
             opt.step()
 
 
-#: torch's loggers that report a failing operation under FakeTensorMode at length (tens of lines of stack on stderr)
-#: before the error reaches the estimator, which reports it in one line.
-_TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
-
-
-@contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """torch's tracing loggers silenced while a step is traced, their levels restored after."""
-    loggers = [logging.getLogger(name) for name in _TRACE_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def _trace(traces: Traces, micro: int) -> _Traced:
     fake = traces.fake_step()
     plan, device, size, what_if = traces.plan, traces.trace_device, traces.size, traces.what_if
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
     accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
-    with fake.entered(), _quiet_torch_logs():
+    with fake.entered(), quiet_torch_logs():
         inputs, input_tensors = fake_batch(fake.mode, part, device, fake.precision)
         try:
             if not fake.warm:
