@@ -97,7 +97,7 @@ class ShapeModel:
         self.static_bytes = 0
         self._clock = 0
         self._bounds: list[tuple[int, float, float, float]] | None = None
-        self._cache: dict[tuple[int, float, bool], ShapeChoice] = {}
+        self._cache: dict[tuple[int, float, bool, float], ShapeChoice] = {}  # (n, s, probe, confidence)
 
     # ---------------------------------------------------------------------------------------------- evidence
     def fitted(self, m: int, s: float, act_bytes: int = 0) -> None:
@@ -222,7 +222,7 @@ class ShapeModel:
         a later failure contradicted it (memory pressure that may have passed)."""
         q = self.confidence if confidence is None else confidence
         key = (n, s, probe, q)
-        found = self._cache.get(key)  # type: ignore[arg-type]
+        found = self._cache.get(key)
         if found is not None:
             return found
         gs = self._g_all(s)
@@ -236,7 +236,7 @@ class ShapeModel:
         choice = ShapeChoice(-(-n // lo_k))
         if len(self._cache) > 4096:
             self._cache.clear()
-        self._cache[key] = choice  # type: ignore[index]
+        self._cache[key] = choice
         return choice
 
     def predicted_peak(self, m: int, s: float) -> int:
