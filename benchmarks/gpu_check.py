@@ -1,0 +1,184 @@
+"""One command for all GPU validation: tests, benchmarks and a realistic search, into one Markdown report (and JSON).
+
+    python benchmarks/gpu_check.py --quick --minutes 12  # on a lent GPU with 15 minutes of device time
+    python benchmarks/gpu_check.py                       # everything in full (about 25 minutes and more)
+    python benchmarks/gpu_check.py --device cpu --quick  # the plumbing on a CPU (CI runs it): every step, small
+
+Steps run in the order below, each under its own limit, and none starts once ``--minutes`` are spent (it is reported
+"not run"): the most wanted figures come first.
+Each step runs in a process of its own with its own time limit, so one failure or hang costs that step only; the
+report (``gpu_check/report.md`` and ``report.json``) names the device, driver and versions, and for every step its
+command, exit status, seconds, the lines that matter and where its full output is (pytest steps keep every failure's
+traceback: ``-rA`` output and a junit XML). Steps:
+
+1. ``pytest -m gpu``: the tests that need CUDA.
+2. the whole suite with CUDA visible (``--quick``: the layout tests only).
+3. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
+4. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
+   CPU: its options only, a run takes minutes).
+5. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules).
+6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
+   16 GiB cap, with MFU from its trials (``--quick``: the small GPT example under 2 GiB, 2 trials).
+7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
+   ``--quick`` on a CPU: its options only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import ROOT, machine, machine_line, make_parser, markdown_table  # noqa: E402
+
+
+@dataclass
+class Step:
+    """One step of the check: its command and, once run, what happened."""
+
+    name: str
+    command: list[str]
+    timeout_s: float
+    status: str = "not run"  # "ok", "failed", "timed out", "not run"
+    returncode: int | None = None
+    seconds: float = 0.0
+    summary: list[str] = field(default_factory=list)  # the lines that matter
+    output: str = ""  # where the whole output is
+
+
+def steps(device: str, quick: bool, out: Path) -> list[Step]:
+    """The check's steps for ``device`` (``--quick``: small versions; on a CPU the slow benchmarks show their options
+    only)."""
+    python, cuda = sys.executable, device == "cuda"
+    cpu_quick = quick and not cuda
+
+    def pytest(name: str, *args: str) -> list[str]:
+        return [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={out / (name + '.xml')}", *args]
+
+    suite = ["tests/test_layout.py"] if quick else []
+    search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "2") if cpu_quick
+                                     else ("benchmarks/gpu_targets.py:gpt_350m", "16GiB", "4" if quick else "8"))
+    search = [python, "-m", "autotune", "search", search_target, "--budget", budget, "--trials", trials,
+              "--device", device, "--out", str(out / "tuned.yaml"), "--storage", f"sqlite:///{out / 'study.db'}",
+              "--steps", "3" if quick else "10", "--warmup", "1" if quick else "3"]
+    return [
+        Step("gpu tests", pytest("gpu-tests", "-m", "gpu", "-q"), 900),
+        Step("whole suite with CUDA visible", pytest("suite", "-q", *suite), 1500),
+        Step("estimator accuracy", [python, "benchmarks/estimator_accuracy.py", "--device", device,
+                                    *(["--quick", "--models", "mlp"] if quick else []),
+                                    "--json", str(out / "estimator_accuracy.json")], 900),
+        Step("elastic overhead and one real OOM", [python, "benchmarks/elastic_overhead.py", "--device", device,
+                                                   *(["--help"] if cpu_quick else ["--quick"] if quick else []),
+                                                   *([] if cpu_quick else ["--json", str(out / "overhead.json")])],
+             900),
+        Step("dynamic padding", [python, "benchmarks/dynamic_padding.py", "--device", device,
+                                 *(["--quick", "--rule", "tokens"] if quick else []),
+                                 "--json", str(out / "dynamic_padding.json")], 900),
+        Step("realistic search", search, 1500),
+        Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,
+                                          *(["--help"] if cpu_quick else ["--quick"] if quick else []),
+                                          *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
+             1500),
+    ]
+
+
+#: Lines of a step's output worth showing in the report (the rest stays in its log file).
+_KEEP = ("passed", "failed", "error", "median", "goal", "largest", "shape-aware", "wrote", "best", "mfu", "FAILED",
+         "samples/s", "Traceback", "timed out")
+
+
+def run_step(step: Step, out: Path) -> Step:
+    """Run ``step`` from the repository root, its output to ``out/<name>.log``; fills in what happened."""
+    log = out / (step.name.replace(" ", "-") + ".log")
+    step.output = str(log.relative_to(out))
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        try:
+            done = subprocess.run(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                  timeout=step.timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            step.returncode = done.returncode
+            step.status = "ok" if done.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            step.status = "timed out"
+    step.seconds = time.perf_counter() - start
+    lines = log.read_text(errors="replace").splitlines()
+    step.summary = [line for line in lines if any(k.lower() in line.lower() for k in _KEEP)][-8:] or lines[-3:]
+    return step
+
+
+def driver() -> str | None:
+    """The NVIDIA driver's version (NVML), or None without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no NVML (no GPU, no driver): the report says so
+        return None
+
+
+def report(done: list[Step], info: dict[str, Any], quick: bool) -> str:
+    rows = [[s.name, s.status, "-" if s.returncode is None else str(s.returncode), f"{s.seconds:.0f}", s.output]
+            for s in done]
+    lines = ["# GPU check", "", machine_line(info), f"driver: {info.get('driver') or 'none (no NVIDIA driver)'}",
+             f"mode: {'quick' if quick else 'full'}", "",
+             markdown_table(["step", "status", "exit", "seconds", "output"], rows), ""]
+    for s in done:
+        lines += [f"## {s.name}: {s.status}", "", "`" + " ".join(Path(c).name if c == sys.executable else c
+                                                            for c in s.command) + "`", "", "```",
+                  *s.summary, "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="small versions of every step")
+    parser.add_argument("--out", type=Path, default=ROOT / "gpu_check", help="report folder (default gpu_check/)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only these steps (by name)")
+    parser.add_argument("--minutes", type=float, default=25.0,
+                        help="start no step once this many minutes are spent; each step ends by then (default 25)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: --device cuda but torch sees no CUDA device; use --device cpu --quick for the plumbing",
+                  file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {**machine(args.device), "driver": driver()}
+    todo = [s for s in steps(args.device, args.quick, args.out) if args.only is None or s.name in args.only]
+    done, deadline = [], time.monotonic() + 60 * args.minutes
+    for step in todo:
+        left = deadline - time.monotonic()
+        if left < 30:
+            done.append(step)  # "not run": the time is spent
+            continue
+        step.timeout_s = min(step.timeout_s, left)
+        print(f"gpu_check: {step.name} ...", flush=True)
+        done.append(run_step(step, args.out))
+        print(f"gpu_check: {step.name}: {step.status} in {step.seconds:.0f} s", flush=True)
+    text = report(done, info, args.quick)
+    (args.out / "report.md").write_text(text)
+    (args.out / "report.json").write_text(json.dumps({"machine": info, "quick": args.quick,
+                                                      "steps": [asdict(s) for s in done]}, indent=1, default=str))
+    print(f"gpu_check: report in {args.out / 'report.md'}")
+    return 0 if all(s.status == "ok" for s in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
