@@ -129,15 +129,12 @@ def test_bf16_kernel_work_buffers_are_measured_for_the_instruction_set_in_use(is
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_median_error_is_within_5_percent():
-    errors = []
-    for name in ("gpt-4x128", "cnn"):
-        model, batch = bench.build(name)
-        for plan in (Plan(micro_batch_size=16), Plan(precision="bf16-mixed", micro_batch_size=16),
-                     Plan(activation_checkpointing=1.0, micro_batch_size=4), Plan(activation_offload=True)):
-            predicted = estimate(model=model, batch=batch, plan=plan, device="cuda").predicted_peak_bytes
-            measured = bench.measure_peak(model=model, batch=batch, plan=plan, device="cuda")
-            errors.append(abs(predicted - measured) / measured)
-    assert statistics.median(errors) <= 0.05, errors
+    # The benchmark's cases, measured its way (bench.run: a fresh process per CUDA case, so cuBLAS's workspaces count
+    # in every case's peak as the estimate counts them; measured in this one process they counted in the first only,
+    # which is how this test failed on an H100 while the benchmark met the goal).
+    rows = bench.run(models=["gpt-4x128", "cnn"], plan_list=bench.plans(quick=True, device="cuda"), device="cuda")
+    errors = [abs(row["error"]) for row in rows]
+    assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, [(r["model"], r["plan"], r["error"]) for r in rows]
 
 
 @pytest.mark.gpu
@@ -147,8 +144,8 @@ def test_cuda_optimizer_offload_prediction_is_within_10_percent():
     model, batch = bench.build("gpt-4x128")
     plan = Plan(optimizer_offload=True, micro_batch_size=16)
     predicted = estimate(model=model, batch=batch, plan=plan, device="cuda")
-    measured = bench.measure_peak(model=model, batch=batch, plan=plan, device="cuda")
-    assert abs(predicted.predicted_peak_bytes - measured) / measured <= 0.10, (predicted, measured)
+    (row,) = bench.run(models=["gpt-4x128"], plan_list=[plan], device="cuda")  # measured as the benchmark measures
+    assert abs(row["error"]) <= 0.10, row
     kept = estimate(model=model, batch=batch, plan=plan.replace(optimizer_offload=False), device="cuda")
     assert predicted.optimizer_state_bytes < 0.1 * kept.optimizer_state_bytes
     assert predicted.host_bytes > kept.optimizer_state_bytes
