@@ -212,7 +212,8 @@ def report(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         worst_ooms = max(r["ooms"] for r in shape)
         worst_ratio = max(r["ratio"] for r in shape)
         lines.append(f"shape-aware (defaults): OOMs at most {worst_ooms} (goal <= {GOAL_OOMS} over 240 steps), ratio "
-                     f"to the fewest micro-batches at most {worst_ratio:.3f} (goal <= {GOAL_RATIO}); the shape model's host "
+                     f"to the fewest micro-batches at most {worst_ratio:.3f} (goal <= {GOAL_RATIO}); the shape "
+                     "model's host "
                      f"time at most {max(r['host_us_per_step'] for r in shape):.0f} us per step (goal <= 100; timed "
                      "with wrappers, which add about 1 us a call)")
     return "\n".join(lines)

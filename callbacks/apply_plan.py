@@ -221,7 +221,8 @@ class ApplyPlan(Callback):
             if bf16_weights and kept:
                 rank_zero_warn(f"ApplyPlan: precision bf16-true with {', '.join(kept)}: its updates are plain bf16, so "
                                "updates smaller than a weight's bf16 resolution are lost. Only Adam and AdamW (without "
-                               "L2 weight decay) get torchao's stochastic rounding; use bf16-mixed to keep fp32 weights.")
+                               "L2 weight decay) get torchao's stochastic rounding; use bf16-mixed to keep fp32 "
+                               "weights.")
         if self.plan.optimizer_offload:  # the optimizers exist now, and their checkpointed state is not loaded yet
             trainer.strategy.optimizers = offload_optimizers(
                 trainer.strategy.optimizers, refresh_grads=_grads_change_after_backward(trainer, pl_module))

@@ -287,7 +287,8 @@ class ElasticBatchSize(Callback):
         shapes = engine.shapes
         if shapes.varies:  # split by shape: the sample size, tokens per micro-batch and the peak the model predicted
             metrics["autotune/sample_size"] = shapes.size
-            metrics["autotune/tokens_per_micro_batch"] = shapes.size * min(engine.micro_batch_size, engine.batch_size or 1)
+            micro = min(engine.micro_batch_size, engine.batch_size or 1)
+            metrics["autotune/tokens_per_micro_batch"] = shapes.size * micro
             if shapes.predicted_peak_bytes:
                 metrics["autotune/predicted_peak_gib"] = shapes.predicted_peak_bytes / 2**30
         for name, value in metrics.items():

@@ -115,7 +115,8 @@ def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int) -
     if not cuda and choice is True and name in ("activation_offload", "optimizer_offload", "cpu_offload",
                                                 "expandable_segments", "pin_memory"):
         return "it only has an effect on CUDA"
-    torchao_needed = ((name == "optimizer_offload" and choice is True) or (name == "optimizer_state" and choice != "full")
+    torchao_needed = ((name == "optimizer_offload" and choice is True)
+                      or (name == "optimizer_state" and choice != "full")
                       or (name == "precision" and choice == "bf16-true"))  # bf16 weights: torchao's rounded AdamW
     if name == "float8" and choice is True and (not cuda or torch.cuda.get_device_capability(device) < (8, 9)):
         return "FP8 needs a GPU of compute capability 8.9 or newer"

@@ -15,7 +15,8 @@ class PeerOutOfMemory(RuntimeError):
     at its minimum micro-batch (it ends the run, and so do its peers, rather than wait for it in the next step)."""
 
     def __init__(self, *, fatal: bool = False) -> None:
-        super().__init__("another rank ran out of memory in this step" + (" at its minimum micro-batch" if fatal else ""))
+        at = " at its minimum micro-batch" if fatal else ""
+        super().__init__(f"another rank ran out of memory in this step{at}")
         self.fatal = fatal
 
 

@@ -368,8 +368,8 @@ class ElasticEngine:
         soft = self.budget_bytes is not None and not self.hard_budget
         shapes = self.shapes
         if self._measure:  # a host without a budget has no limit that raises: no byte cap there
-            bounded = self.limit_bytes is not None and (self.hard_budget or self.budget_bytes is not None)
-            shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * self.limit_bytes) if bounded else None,  # type: ignore[operator]
+            limit = self.limit_bytes if self.hard_budget or self.budget_bytes is not None else None
+            shapes.model.set_memory(limit_bytes=None if limit is None else int(GROW_HEADROOM * limit),
                                     static_bytes=static)
         shapes.model.fitted(micro, shapes.size, max(0, peak - static) if self._measure else 0)
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.varies
@@ -401,7 +401,8 @@ class ElasticEngine:
         target = min(n, micro * 2)
         projected = static + (peak - static) * target / micro
         if self.limit_bytes is None or projected <= GROW_HEADROOM * self.limit_bytes:
-            _info(f"autotune: growing the micro-batch {micro} -> {target} (projected peak {format_bytes(int(projected))})")
+            _info(f"autotune: growing the micro-batch {micro} -> {target} "
+                  f"(projected peak {format_bytes(int(projected))})")
             self.growing_from = micro
             self.micro_batch_size = target
         else:

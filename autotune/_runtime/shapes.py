@@ -24,7 +24,8 @@ taken above ``growth`` times the largest load seen to work (the factor the doubl
 any ``w`` still possible: no micro-batch is tried that some possible cost puts further than that from what ran. For a
 batch it picks the fewest micro-batches whose largest one fits with probability ``confidence`` over the ``w`` left and
 their intervals (log-uniform in ``C``): a micro-batch only matters through the count it gives, so a larger one is
-tried only when it saves a micro-batch. After an out-of-memory error the replay takes what every ``w`` says fits (``confidence`` 1).
+tried only when it saves a micro-batch. After an out-of-memory error the replay takes what every ``w`` says fits
+(``confidence`` 1).
 Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first: a new point that
 contradicts an older one on the other frontier (a success at a load an older failure ruled out, a failure where a
 micro-batch ran before) removes it. A fit removed that way is remembered as *lost*: memory pressure (another process,

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-#: The label of padded positions (the loss ignores them; padded_data.py's collate writes it, as transformers' collators do).
+#: The label of padded positions (the loss ignores them; padded_data.py's collate writes it, as transformers'
+#: collators do).
 IGNORE_INDEX = -100
 
 

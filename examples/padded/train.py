@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 _HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # so padded_model.py and padded_data.py import when this file is loaded by path, from anywhere
+if _HERE not in sys.path:  # so padded_model.py and padded_data.py import when this file is loaded by path
     sys.path.insert(0, _HERE)
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
