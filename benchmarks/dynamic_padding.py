@@ -15,7 +15,7 @@ taking note of the step), timed by wrapping those calls.
 
     python benchmarks/dynamic_padding.py            # 240 steps per run, seeds 0-2
     python benchmarks/dynamic_padding.py --quick    # 60 steps, seed 0 (what the test suite runs)
-    python benchmarks/dynamic_padding.py --device cuda --rule memory   # real memory under a hard cap
+    python benchmarks/dynamic_padding.py --device cuda   # the same simulated rules on a GPU (no real-memory rule yet)
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _imports() -> tuple[Any, Any, Any]:
 
 
 def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu") -> dict[str, Any]:
-    """One training run of ``steps`` steps under ``rule`` ("tokens", "length2", or "memory": no rule, real memory),
+    """One training run of ``steps`` steps under ``rule`` ("tokens", "length2", or any other name: no rule),
     ``policy`` "shape" (the callback's defaults) or "fixed" (every batch told it has one size); with "reference" no
     callback and no rule: whole batches, plain Lightning."""
     import lightning as L
@@ -178,8 +178,6 @@ def _with_ids(data: Any) -> Any:
 
 def measure(*, rules: list[str], steps: int, seeds: list[int], device: str) -> list[dict[str, Any]]:
     """Every rule x policy x seed, each beside the same seed's whole-batch reference."""
-    import torch
-
     rows = []
     for seed in seeds:
         reference = run(rule="none", policy="reference", steps=steps, seed=seed, device=device)
@@ -190,8 +188,6 @@ def measure(*, rules: list[str], steps: int, seeds: list[int], device: str) -> l
                                                 for a, b in zip(result.pop("weights"), reference["weights"]))
                 result["ratio"] = (result["micro_batches"] / result["fewest"]) if result["fewest"] else None
                 rows.append(result)
-        del reference["weights"]
-    torch.set_num_threads(torch.get_num_threads())
     return rows
 
 

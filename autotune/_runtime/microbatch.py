@@ -93,7 +93,8 @@ class ElasticEngine:
         self.snapshot = UpdateSnapshot()
         self.sharded = sharded  # FSDP2: the module's own reduce-scatter; an OOM is drained, voted and replayed
         self.drain = CollectiveDrain() if sharded else None
-        self.shapes = ShapeSplit(sample_size=sample_size, min_micro_batch_size=min_micro_batch_size)
+        self.shapes = ShapeSplit(sample_size=sample_size, min_micro_batch_size=min_micro_batch_size,
+                                 ranks_vote=self.agree.enabled)
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None
@@ -353,11 +354,10 @@ class ElasticEngine:
         self.growing_from = None  # the grow did not apply to this (short) batch: an ordinary OOM
         if self.shapes.varies and peer:
             return micro
-        if micro <= self.min_micro_batch_size:
+        if self._at_floor(micro):
             return None
-        if self.shapes.varies:
-            return max(self.min_micro_batch_size, min(micro - 1, self.shapes.micro(n, confidence=1.0)))
-        return max(self.min_micro_batch_size, micro // 2)
+        smaller = self.shapes.micro(n, confidence=1.0) if self.shapes.varies else micro // 2
+        return max(self.min_micro_batch_size, min(micro - 1, smaller))
 
     def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
         peak = self.meter.peak() if self._measure else 0

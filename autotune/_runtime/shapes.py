@@ -285,8 +285,10 @@ class ShapeSplit:
     after a step need every rank to take the same path).
     """
 
-    def __init__(self, *, sample_size: Callable[[Any], float] | None, min_micro_batch_size: int) -> None:
+    def __init__(self, *, sample_size: Callable[[Any], float] | None, min_micro_batch_size: int,
+                 ranks_vote: bool = False) -> None:
         self.model = ShapeModel()
+        self.ranks_vote = ranks_vote  # several ranks: ``agreed`` comes from the step's vote, else from this rank
         self.sample_size_fn = sample_size
         self.min_micro_batch_size = min_micro_batch_size
         self.first: float | None = None
@@ -309,7 +311,7 @@ class ShapeSplit:
             self.first = self.size
         elif self.size != self.first:
             self.varies = True
-        if self.agreed is False and self.varies and not _multi_rank():
+        if self.varies and not self.ranks_vote:
             self.agreed = True
 
     def micro(self, n: int, *, confidence: float | None = None, probe: bool = False) -> int:
@@ -323,8 +325,3 @@ class ShapeSplit:
         """The peak the model predicts for the micro-batch chosen last (0 before any was measured)."""
         return self.model.predicted_peak(self.micro_chosen, self.size) if self.micro_chosen else 0
 
-
-def _multi_rank() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
