@@ -4,6 +4,7 @@ the per-parameter optimizers that update it (torchao's layout, built here from p
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import lightning as L
 import pytest
@@ -192,3 +193,14 @@ def test_the_estimate_moves_offloaded_state_to_the_host() -> None:
     assert plain.optimizer_state_bytes - offloaded.optimizer_state_bytes == 2 * big_bytes + 4  # exp_avgs, step
     assert offloaded.gradients_bytes == plain.gradients_bytes  # gradients stay on the device
     assert offloaded.host_bytes == 4 * big_bytes + 4  # pinned weight, gradient, exp_avg, exp_avg_sq; step
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_the_estimate_of_offload_under_bf16_true_keeps_bf16_moments_on_the_host() -> None:
+    net, batch = Wide(), torch.randn(8, 64)
+    traces = Traces(model=net, batch=batch, plan=Plan(precision="bf16-true"), device="cpu", optimizer=None)
+    traces.plan = Plan(precision="bf16-true", optimizer_offload=True)  # the CPU stands in for the GPU, as above
+    offloaded = traces.at(8)
+    big = net.layer[0].weight.numel()
+    # pinned bf16 weight and gradient, torchao's bf16 moments (exp_avg, exp_avg_sq) and its fp32 step
+    assert offloaded.host_bytes == 4 * 2 * big + 4

@@ -24,7 +24,7 @@ from autotune._compat import (
 from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.sharding import shard_numel
 from autotune._estimate.workspace import Workspace
-from autotune._runtime.offload import constructor_defaults, hyperparameters, is_offloaded
+from autotune._runtime.offload import hyperparameters, is_offloaded, update_constructor
 from autotune._runtime.optim_state import replaces, state_tensor_bytes
 
 if TYPE_CHECKING:
@@ -110,7 +110,8 @@ def offloaded_host_bytes(optimizers: list[Any]) -> int:
                 groups.append({**hyperparameters(group), "params": host})
                 total += 2 * bytes_of(host, torch.device("cpu"))
         if groups:
-            host_opt = type(opt)(groups, **constructor_defaults(opt))
+            make, kwargs = update_constructor(opt)
+            host_opt = make(groups, **kwargs)
             host_opt.step()
             total += bytes_of((t for s in host_opt.state.values() for t in s.values()), torch.device("cpu"))
     return total
@@ -156,6 +157,10 @@ class LowBitStandIn(torch.optim.Optimizer):
         super().__init__([{"params": list(g["params"]), "amsgrad": bool(g.get("amsgrad"))}
                           for g in optimizer.param_groups], {})
         self.kind = state
+
+    def update_constructor(self) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+        """The same update over other groups (``optimizer_offload``'s host copies, its device part)."""
+        return (lambda groups: LowBitStandIn(SimpleNamespace(param_groups=groups), self.kind)), {}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]

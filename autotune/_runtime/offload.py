@@ -52,10 +52,32 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params" and k not in _DEVICE_KEYS}
 
 
+def set_hyperparameters(group: dict[str, Any], values: dict[str, Any]) -> None:
+    """Set ``values`` in an optimizer's ``group``; a value the group keeps as a tensor (torchao's ``lr``) is filled in
+    place, as torchao requires."""
+    for key, value in values.items():
+        held = group.get(key)
+        if isinstance(held, Tensor) and not isinstance(value, Tensor):
+            held.fill_(float(value))
+        else:
+            group[key] = value
+
+
 def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer``'s defaults that its class's constructor takes (device-specific switches left out)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in _DEVICE_KEYS}
+
+
+def update_constructor(optimizer: Optimizer) -> tuple[Callable[..., Optimizer], dict[str, Any]]:
+    """What builds ``optimizer``'s update over other parameter groups: a constructor taking the groups, and its keyword
+    arguments. An optimizer that runs another's update (:class:`~autotune._runtime.optim_state.LowBitOptimizer`:
+    torchao's) says so with an ``update_constructor()`` method; else its class and the defaults its constructor
+    takes."""
+    own = getattr(optimizer, "update_constructor", None)
+    if callable(own):
+        return own()
+    return type(optimizer), constructor_defaults(optimizer)
 
 
 def device_part(optimizer: Optimizer) -> Optimizer | None:
@@ -66,7 +88,10 @@ def device_part(optimizer: Optimizer) -> Optimizer | None:
         kept = [p for p in group["params"] if not is_offloaded(p)]
         if kept:
             groups.append({**hyperparameters(group), "params": kept})
-    return type(optimizer)(groups, **constructor_defaults(optimizer)) if groups else None
+    if not groups:
+        return None
+    make, kwargs = update_constructor(optimizer)
+    return make(groups, **kwargs)
 
 
 class _Owners:
@@ -103,7 +128,7 @@ class _Owners:
         """Copy the hyper-parameters of each user group into the groups that update its parameters."""
         values = {id(group): hyperparameters(group) for group in self.groups}
         for group, target in self.pairs:
-            target.update(values[id(group)])
+            set_hyperparameters(target, values[id(group)])
 
     def state_dict(self) -> dict[str, Any]:
         """The state in ``torch.optim.Optimizer.state_dict``'s layout, indexed over the user's groups."""
@@ -184,9 +209,10 @@ class OffloadedOptimizer(Optimizer):
         groups = [{**hyperparameters(g), "params": list(g["params"])} for g in optimizer.param_groups]
         params = [p for g in groups for p in g["params"]]
         hooks_before = {id(p): set(post_accumulate_grad_hooks(p)) for p in params}
-        self.user_optimizer = optimizer
-        self.offload = CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), minimal_size=OFFLOAD_MIN_NUMEL,
-                                           **constructor_defaults(optimizer))
+        make, kwargs = update_constructor(optimizer)
+        # the optimizer whose hyper-parameters LR schedulers change: the user's, also under a LowBitOptimizer
+        self.user_optimizer = getattr(optimizer, "user_optimizer", optimizer)
+        self.offload = CPUOffloadOptimizer(groups, optimizer_class=make, minimal_size=OFFLOAD_MIN_NUMEL, **kwargs)
         host_copies = offload_host_copies(self.offload)
         self._hooks = [(p, set(post_accumulate_grad_hooks(p)) - hooks_before[id(p)]) for p in host_copies]
         host_optimizers = offload_host_optimizers(self.offload)

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from autotune._compat import mark_optimizer_stepped, torchao_bf16_adamw
-from autotune._runtime.offload import INSTALL_HINT
+from autotune._runtime.offload import INSTALL_HINT, set_hyperparameters
 
 __all__ = ["OPTIMIZER_STATES", "LowBitOptimizer", "low_bit_optimizers", "real_state_bytes", "replacement", "replaces",
            "state_tensor_bytes"]
@@ -130,11 +130,11 @@ class LowBitOptimizer(Optimizer):
         found = replacement(optimizer, state=state, bf16_weights=bf16_weights)
         if found is None:
             raise ValueError(f"optimizer_state {state!r} keeps {type(optimizer).__name__} as it is")
-        make, self.description = found
+        self._make, self.description = found
         self.user_optimizer = optimizer
         groups = [{**{k: v for k, v in g.items() if k in _HYPER}, "params": list(g["params"])}
                   for g in optimizer.param_groups]
-        self.inner = make(groups)
+        self.inner = self._make(groups)
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups  # the same list: what schedulers and clipping change
 
@@ -142,6 +142,11 @@ class LowBitOptimizer(Optimizer):
     def optimizer(self) -> Optimizer:
         """The user's optimizer, which holds the hyper-parameters (as wrapping optimizers expose it)."""
         return self.user_optimizer
+
+    def update_constructor(self) -> tuple[Callable[..., Optimizer], dict[str, Any]]:
+        """torchao's update over other groups (what ``optimizer_offload`` runs on the host copies under bf16-true:
+        the stochastic rounding is kept)."""
+        return self._make, {}
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -153,13 +158,7 @@ class LowBitOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for mine, theirs in zip(self.param_groups, self.inner.param_groups):
-            for key in _HYPER:
-                if key not in mine or key not in theirs:
-                    continue
-                if isinstance(theirs[key], Tensor):  # torchao keeps the lr as a tensor
-                    theirs[key].fill_(float(mine[key]))
-                else:
-                    theirs[key] = mine[key]
+            set_hyperparameters(theirs, {key: mine[key] for key in _HYPER if key in mine and key in theirs})
         self.inner.step()
         mark_optimizer_stepped(self.user_optimizer)  # what LR schedulers check
         return loss
@@ -191,20 +190,21 @@ def low_bit_optimizers(optimizers: Iterable[Optimizer], *, state: str, bf16_weig
     return out
 
 
-def real_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of an optimizer's state as stored: a torchao low-bit tensor counts its codes, scales and code map."""
+def real_state_bytes(optimizer: Optimizer, *, block: int = 1) -> int:
+    """Bytes of an optimizer's state as stored: a torchao low-bit tensor counts its codes, scales and code map; each
+    stored tensor rounded up to ``block`` bytes (512: what the CUDA caching allocator holds for it)."""
     total = 0
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, Tensor):
-                total += _stored_bytes(value)
+                total += _stored_bytes(value, block)
     return total
 
 
-def _stored_bytes(t: Tensor) -> int:
+def _stored_bytes(t: Tensor, block: int) -> int:
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) is not Tensor:
         names, _ = flatten()
-        return sum(_stored_bytes(getattr(t, n)) for n in names)
+        return sum(_stored_bytes(getattr(t, n), block) for n in names)
     local = t.to_local() if hasattr(t, "to_local") else t
-    return math.prod(local.shape) * local.element_size()
+    return -(-math.prod(local.shape) * local.element_size() // block) * block

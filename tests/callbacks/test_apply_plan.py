@@ -304,6 +304,29 @@ def test_optimizer_offload_trains_like_the_plain_optimizer(offload_device: str, 
     assert host_lrs == {opt.param_groups[0]["initial_lr"] / 8}  # copied before each update: the 8th update's
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_optimizer_offload_under_bf16_true_keeps_the_stochastic_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16-true puts torchao's AdamW (stochastic rounding) in the user's AdamW's place; the offload then runs that
+    # update on the host copies (on an H200 the offload rebuilt the wrapper's class and every such trial crashed)
+    import torchao.optim
+
+    from tests.callbacks.offload_standin import HostOffload
+
+    monkeypatch.setattr(torchao.optim, "CPUOffloadOptimizer", HostOffload)
+    monkeypatch.setattr(apply_plan, "_check_optimizer_offload", lambda trainer: None)
+    untrained = Scheduled(width=64, dropout=0.0).to(torch.bfloat16)
+    model = train_on("cpu", [elastic(), ApplyPlan(optimizer_offload=True)], precision="bf16-true")
+    opt = model.trainer.optimizers[0]
+    assert type(opt).__name__ == "OffloadedOptimizer" and len(opt.offloaded_parameters) == 8
+    host = list(opt.offload.optim_dict.values())
+    assert {type(o).__name__ for o in host} == {"_AdamW"}
+    assert all(o.bf16_stochastic_round for o in host)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for o in host for s in o.state.values())
+    assert opt.optimizer is model.lr_schedulers().optimizer  # the user's AdamW, under both wrappers
+    assert [float(g["lr"]) for o in host for g in o.param_groups] == [pytest.approx(1e-2 / 8)] * 8  # tensors, filled
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), untrained.parameters()) if p.numel() >= 4096)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_optimizer_offload_replays_an_oom_exactly(offload_device: str, where: str) -> None:
     reference = train_on(offload_device, [elastic(8), ApplyPlan(optimizer_offload=True)])

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autotune import Plan, estimate
+from autotune._estimate.cuda_rules import CUDA_BLOCK
 from autotune._runtime.optim_state import LowBitOptimizer, real_state_bytes, state_tensor_bytes
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
@@ -188,7 +189,9 @@ def test_low_bit_state_on_cuda_matches_the_estimate():
                             enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[ApplyPlan(optimizer_state=state)])
         trainer.fit(Net(), data())
-        measured = real_state_bytes(trainer.strategy.optimizers[0])
+        # as the CUDA allocator holds it (each tensor in 512-byte blocks), which is what the CUDA estimate counts; on
+        # an H200 the unrounded bytes were 6% under it for this small net (its 4-byte steps and head bias hold 512)
+        measured = real_state_bytes(trainer.strategy.optimizers[0], block=CUDA_BLOCK)
         predicted = estimate(model=Net(), batch=batch, plan=Plan(optimizer_state=state), device="cuda")
         assert abs(predicted.optimizer_state_bytes - measured) <= 0.02 * measured, (state, predicted, measured)
 
