@@ -23,6 +23,7 @@ Usage::
 
     python benchmarks/estimator_accuracy.py --device cpu              # about 2 minutes on a 2-core CPU
     python benchmarks/estimator_accuracy.py --device cpu --quick
+    python benchmarks/estimator_accuracy.py --device cpu --paths      # the real-tensor paths beside each row
     python benchmarks/estimator_accuracy.py --device cuda --json estimator_accuracy_cuda.json
 
 The table is printed as Markdown (for ``docs/benchmarks.md``), with the median absolute error last.
@@ -66,13 +67,17 @@ from model import GPT, Block  # noqa: E402
 from autotune import Plan, estimate, probe_memory  # noqa: E402
 
 #: The models measured: three sizes of the example GPT (the first is ``examples/gpt/train.py:make``), an MLP of
-#: residual blocks and a small CNN with BatchNorm. Each batch holds 16 samples.
+#: residual blocks, a small CNN with BatchNorm, and the two of ``READS_VALUES``. Each batch holds 16 samples.
 GPT_SIZES = {
     "gpt-2x64": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32},
     "gpt-4x128": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64},
     "gpt-6x192": {"n_layer": 6, "n_head": 6, "n_embd": 192, "block_size": 128},
 }
-MODELS = (*GPT_SIZES, "mlp", "cnn")
+#: Two whose step reads tensor values, so the estimator traces them with real tensors on the host: Lightning's
+#: own demo Transformer (``torch.nn.Transformer`` checks whether its mask is causal) and a mixture of experts that
+#: routes each token to its top expert (data-dependent shapes).
+READS_VALUES = ("transformer", "moe")
+MODELS = (*GPT_SIZES, "mlp", "cnn", *READS_VALUES)
 BATCH = 16
 #: Parameters with fewer elements keep their update on the device under optimizer offload (the value autotune's
 #: runtime passes to torchao as ``minimal_size``).
@@ -145,6 +150,56 @@ class CNN(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class Experts(nn.Module):
+    """Top-1 mixture of ``experts`` MLPs: each token goes to the expert its router scores highest, gathered by index
+    (how many tokens each expert gets is known only from the router's values)."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                     for _ in range(experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.norm(x).flatten(0, -2)
+        gate = self.router(tokens).softmax(-1)
+        weight, choice = gate.max(-1)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            picked = (choice == index).nonzero().squeeze(-1)
+            if picked.numel():
+                out = out.index_add(0, picked, (expert(tokens[picked]) * weight[picked, None]).to(out.dtype))
+        return x + out.view_as(x)
+
+
+class MoE(LightningModule):
+    """A per-token classifier of ``depth`` residual mixture-of-experts blocks, AdamW."""
+
+    def __init__(self, *, width: int = 128, depth: int = 2, experts: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Experts(width, experts) for _ in range(depth)))
+        self.head = nn.Linear(width, classes)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.blocks(x)).flatten(0, -2), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def demo_transformer() -> LightningModule:
+    """Lightning's demo ``LightningTransformer`` (vocabulary 500), its dataset's download left out."""
+    from lightning.pytorch.demos import LightningTransformer
+
+    class Demo(LightningTransformer):
+        def prepare_data(self) -> None:  # the estimate needs no data set
+            pass
+
+    return Demo(vocab_size=500)
+
+
 def build(name: str, *, batch_size: int = BATCH) -> tuple[LightningModule, Any]:
     """A fresh model (seeded) and one training batch for ``name`` in ``MODELS``."""
     torch.manual_seed(0)
@@ -160,6 +215,12 @@ def build(name: str, *, batch_size: int = BATCH) -> tuple[LightningModule, Any]:
     if name == "cnn":
         images = torch.randn(batch_size, 3, 32, 32, generator=gen)
         return CNN(), (images, torch.randint(0, 10, (batch_size,), generator=gen))
+    if name == "transformer":  # 35 tokens per sample, as Lightning's example
+        tokens = torch.randint(0, 500, (batch_size, 36), generator=gen)
+        return demo_transformer(), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    if name == "moe":
+        tokens = (batch_size, 32)
+        return MoE(), (torch.randn(*tokens, 128, generator=gen), torch.randint(0, 10, tokens, generator=gen))
     raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
 
 
@@ -230,7 +291,8 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
 
 
 #: The classes of the repeated blocks of the models measured: what checkpointing wraps.
-BLOCKS: tuple[type[nn.Module], ...] = (Block, MLPBlock, ConvBlock)
+#: (``nn.MultiheadAttention``: the six of Lightning's demo Transformer, the class ``find_blocks`` picks there.)
+BLOCKS: tuple[type[nn.Module], ...] = (Block, MLPBlock, ConvBlock, nn.MultiheadAttention, Experts)
 
 
 def _blocks(model: nn.Module, share: float | tuple[str, ...]) -> list[nn.Module]:
@@ -349,8 +411,16 @@ def _measure_case(name: str, plan: dict[str, Any], device: str) -> int:
     return measure_peak(model=model, batch=batch, plan=Plan.from_dict(plan), device=device)
 
 
-def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[str, Any]]:
-    """Predict and measure every model x plan; one row per pair."""
+def _real_paths(model: LightningModule, batch: Any, plan: Plan, device: str) -> tuple[int, int]:
+    """The real-tensor path's prediction traced at the micro-batch (``trace="real"``), and on the line through
+    micro-batches 2 and 4 (``trace="line"``)."""
+    real = estimate(model=model, batch=batch, plan=plan, device=device, trace="real").predicted_peak_bytes
+    line = estimate(model=model, batch=batch, plan=plan, device=device, trace="line").predicted_peak_bytes
+    return real, line
+
+
+def run(*, models: list[str], plan_list: list[Plan], device: str, paths: bool = False) -> list[dict[str, Any]]:
+    """Predict and measure every model x plan; one row per pair (``paths``: each real-tensor path's error too)."""
     rows = []
     for name in models:
         model, batch = build(name)
@@ -364,24 +434,36 @@ def run(*, models: list[str], plan_list: list[Plan], device: str) -> list[dict[s
                 measured = measure_peak(model=model, batch=batch, plan=plan, device=device)
             gc.collect()
             error = (predicted.predicted_peak_bytes - measured) / measured
-            rows.append({"model": name, "plan": plan.describe(), "predicted_bytes": predicted.predicted_peak_bytes,
-                         "measured_bytes": measured, "error": error, "trace_seconds": traced,
-                         "overhead_bytes": predicted.overhead_bytes})
+            row = {"model": name, "plan": plan.describe(), "predicted_bytes": predicted.predicted_peak_bytes,
+                   "measured_bytes": measured, "error": error, "trace_seconds": traced,
+                   "overhead_bytes": predicted.overhead_bytes, "method": predicted.method}
+            if paths:
+                real, line = _real_paths(model, batch, plan, device)
+                row.update(real_error=(real - measured) / measured, extrapolated_error=(line - measured) / measured)
+            rows.append(row)
             print(f"{name:10} {plan.describe():40} predicted {predicted.predicted_peak_bytes:>12,} "
-                  f"measured {measured:>12,} error {error:+.2%}", file=sys.stderr)
+                  f"measured {measured:>12,} error {error:+.2%} ({predicted.method})", file=sys.stderr)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
-    """The rows as a Markdown table, and the median absolute error."""
+    """The rows as a Markdown table, and the median absolute error (of each path, where measured)."""
     mib = 2**20
-    cells = [[row["model"], row["plan"], f"{row['predicted_bytes'] / mib:.2f}", f"{row['measured_bytes'] / mib:.2f}",
-              f"{row['error']:+.1%}"] for row in rows]
-    lines = [markdown_table(["model", "plan", "predicted (MiB)", "measured (MiB)", "error"], cells, right=(2, 3, 4))]
+    paths = "real_error" in rows[0]
+    cells = [[row["model"], row["plan"], row["method"], f"{row['predicted_bytes'] / mib:.2f}",
+              f"{row['measured_bytes'] / mib:.2f}", f"{row['error']:+.1%}",
+              *([f"{row['real_error']:+.1%}", f"{row['extrapolated_error']:+.1%}"] if paths else [])] for row in rows]
+    header = ["model", "plan", "traced", "predicted (MiB)", "measured (MiB)", "error",
+              *(["real tensors", "real, from micro 2 and 4"] if paths else [])]
+    lines = [markdown_table(header, cells, right=tuple(range(3, len(header))))]
     errors = [abs(row["error"]) for row in rows]
     lines.append("")
     lines.append(f"Median absolute error on {device}: {statistics.median(errors):.1%} over {len(rows)} cases "
                  f"(max {max(errors):.1%}).")
+    if paths:
+        for key, label in (("real_error", "real tensors"), ("extrapolated_error", "real, from micro 2 and 4")):
+            errs = [abs(row[key]) for row in rows]
+            lines.append(f"{label}: median {statistics.median(errs):.1%}, max {max(errs):.1%}.")
     if device.startswith("cuda"):  # what the constant overhead should be: measured minus the tensors predicted
         residual = statistics.median(r["measured_bytes"] - r["predicted_bytes"] + r["overhead_bytes"] for r in rows)
         lines.append(f"Calibration: median of measured minus predicted tensors {residual / mib:.2f} MiB "
@@ -394,10 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     add_device(parser, help="'cpu' or 'cuda' (default: cpu)", choices=None)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--quick", action="store_true", help="leave out the offload plans")
+    parser.add_argument("--paths", action="store_true",
+                        help="also each real-tensor path's error: traced at the micro-batch, and extrapolated")
     add_json(parser, "also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = run(models=args.models, plan_list=plans(quick=args.quick, device=args.device), device=args.device)
+    rows = run(models=args.models, plan_list=plans(quick=args.quick, device=args.device), device=args.device,
+               paths=args.paths)
     print(markdown(rows, args.device))
     if args.json is not None:
         meta = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),

@@ -320,6 +320,9 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
         trial.set_user_attr("peak_bytes", peak)
         trial.set_user_attr("status", status)
         trial.set_user_attr("interval", [0.9 * sps, 1.1 * sps])
+        if micro in (4, 16, 8):  # how the estimator traced them: with real tensors, on their line, without data
+            trial.set_user_attr("predicted_peak_bytes", micro * 2**26)
+            trial.set_user_attr("estimate_method", {4: "real", 16: "extrapolated", 8: "fake"}[micro])
         trial.set_constraint("memory", (peak - 2**30) / 2**30)
         study.tell(trial, sps if status == "ok" else 0.0)
     # what a search stores when it chooses: trial 3 (12/s), measured again twice, over trial 2's single 15/s
@@ -334,6 +337,11 @@ def test_report_prints_the_trials_and_writes_plots(tmp_path: Path, capsys: pytes
     assert out.count(" yes  ") == 3 and out.count(" no  ") == 1
     [row] = [line for line in out.splitlines() if line.startswith("*   3 ")]  # the chosen trial is marked
     assert "+-10.0%" in row and row.endswith("(measured again: 13.0)")
+    predicted = {line.split()[0]: line for line in out.splitlines() if line[1:5].strip().isdigit()}
+    assert " 256.00 MiB r " in predicted["0"] and " 1.00 GiB x " in predicted["2"] and " 512.00 MiB " in row
+    assert not any(m in row for m in (" MiB r ", " MiB x ")) and "       - no " in predicted["1"]  # unestimated: -
+    assert ("predicted: 'x' on the line through two such traces at smaller micro-batches; 'r' traced with real "
+            "tensors on the host (the step reads tensor values)") in out
     assert ("* chosen: trial 3, 32-true, micro 8: 12.5 samples/s (mean of 2 runs, interval [12.0, 13.0]), peak "
             "256.00 MiB") in out and "within measurement noise of: 32-true, micro 16" in out
     for name in ("tradeoff.png", "history.png", "importance.png"):

@@ -226,6 +226,10 @@ def _size_option(name: str, value: str | None) -> int | None:
     return int(parsed.value)  # type: ignore[arg-type]
 
 
+#: How each row was traced (``Estimate.method``), in the table: no data, or real tensors on the host (notes say more).
+_TRACED = {"fake": "no data", "real": "real", "extrapolated": "real, extrapolated"}
+
+
 def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True) -> str:
     """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro;
     ``baseline_measured``: whether the rows' process baseline (CPU) was measured, or is this process's memory.
@@ -233,8 +237,8 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
     Example:
         >>> print(format_estimate_table(rows))  # doctest: +SKIP
         device cpu, batch 32, budget 4.00 GiB
-        plan                 micro  predicted peak  fits  max micro
-        32-true                 32       12.02 MiB  yes          32
+        plan                 micro  predicted peak  fits  max micro  state/param  traced
+        32-true                 32       12.02 MiB  yes          32     16.00 B  no data
     """
     if not rows:
         return "no plans to estimate"
@@ -242,16 +246,16 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
     ranks = f", per rank of {first.estimate.world_size}" if first.estimate.world_size > 1 else ""
     header = (f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
               f"{ranks}")
-    table = [("plan", "micro", "predicted peak", "fits", "max micro", "state/param")]
+    table = [("plan", "micro", "predicted peak", "fits", "max micro", "state/param", "traced")]
     for row in rows:
         label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
         best = row.max_micro_batch_size
         table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.peak_bytes),
                       "yes" if row.fits else "no", "none fits" if best is None else str(best),
-                      f"{row.state_bytes_per_parameter:.2f} B"))
-    widths = [max(len(line[i]) for line in table) for i in range(6)]
+                      f"{row.state_bytes_per_parameter:.2f} B", _TRACED[row.estimate.method]))
+    widths = [max(len(line[i]) for line in table) for i in range(7)]
     lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
-             f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}".rstrip() for line in table]
+             f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}  {line[6]:<{widths[6]}}".rstrip() for line in table]
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
     if first.baseline_bytes and baseline_measured:
         notes[f"the peaks include the process baseline measured here, {format_bytes(first.baseline_bytes)} (a short "

@@ -56,7 +56,7 @@ class CapacityRow:
                 "predicted_peak_bytes": self.estimate.predicted_peak_bytes,
                 **{f"{name}_bytes": value for name, value in self.estimate.breakdown().items()},
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
-                "host_bytes": self.estimate.host_bytes}
+                "host_bytes": self.estimate.host_bytes, "method": self.estimate.method}
 
 
 def world_sizes(max_world_size: int) -> list[int]:

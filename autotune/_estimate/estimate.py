@@ -71,16 +71,20 @@ class TargetEstimate:
                 "max_micro_batch_size": self.max_micro_batch_size, "world_size": self.estimate.world_size,
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
                 "state_bytes_per_parameter": self.state_bytes_per_parameter,
-                "notes": list(self.estimate.notes)}
+                "method": self.estimate.method, "notes": list(self.estimate.notes)}
 
 
 def estimate(
     *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec = None,
-    optimizer: OptimizerFactory | None = None, world_size: int | None = None,
+    optimizer: OptimizerFactory | None = None, world_size: int | None = None, trace: str = "auto",
 ) -> Estimate:
     """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
 
-    Nothing runs on the device and ``model`` is not touched: a copy without data is traced.
+    Nothing runs on the device and ``model`` is not touched: a copy without data is traced. A step that reads tensor
+    values (``.item()``, a mask checked with ``.all()``, data-dependent routing) cannot be traced without data: a
+    copy with real weights then runs on the host at micro-batches 1, 2 and 4, and larger micro-batches lie on the
+    line through the last two (``Estimate.method`` and the first of ``Estimate.notes`` say which, and how far micro
+    1 lies off that line). CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on either path.
 
     Args:
         model: The LightningModule (automatic optimization).
@@ -92,18 +96,25 @@ def estimate(
         world_size: The ranks the plan runs on (None: the plan's ``devices``, else 1); the estimate is one rank's:
             replicated model state under DDP (plus its gradient buckets), sharded under ``strategy="fsdp"`` (the
             shards, plus the gathered units), and the rank's micro-batch of activations.
+        trace: ``"auto"`` (without data; with real tensors on the host when the step reads values), ``"real"``
+            (with real tensors on the host whatever the step does: a cross-check of the first path) or ``"line"``
+            (real tensors at micro-batches up to 4, larger ones on the line through 2 and 4, however fast the host:
+            a check of the extrapolation that models too costly for the host get).
 
     Raises:
         ValueError: for a bad device, a batch without tensors, a micro-batch larger than the batch, a precision the
-            estimator does not trace, manual optimization, a ``training_step`` that cannot be traced, or a bad
-            ``world_size``.
+            estimator does not trace, manual optimization, a ``training_step`` that cannot be traced, a bad
+            ``world_size`` or ``trace``, or a step that reads values of a model on the meta device.
 
     Example:
         >>> estimate(model=model, batch=batch, plan=Plan(micro_batch_size=8)).fits(2**30)  # doctest: +SKIP
         True
         >>> estimate(model=model, batch=batch, plan=Plan(strategy="fsdp"), world_size=8)  # doctest: +SKIP
     """
-    traces = Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer, world_size=world_size)
+    if trace not in ("auto", "real", "line"):
+        raise ValueError(f"trace must be 'auto', 'real' or 'line'; got {trace!r}")
+    traces = Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer, world_size=world_size,
+                    trace=trace)
     return traces.at(plan.micro_batch_size or traces.size)
 
 

@@ -118,10 +118,12 @@ def offloaded_host_bytes(optimizers: list[Any]) -> int:
 
 
 def fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The batch as fake tensors on ``device`` in the plan's input dtype, and its tensors."""
+    """The batch as fake tensors of ``mode`` on ``device`` in the plan's input dtype (``mode`` None: real copies), and
+    its tensors."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    fake = apply_to_collection(batch, torch.Tensor, lambda t: mode.from_tensor(t).to(device))
+    fake = apply_to_collection(batch, torch.Tensor, lambda t: t.detach().to(device, copy=True) if mode is None
+                               else mode.from_tensor(t).to(device))
     fake = precision.convert_input(fake) if precision is not None else fake
     found: list[torch.Tensor] = []
     apply_to_collection(fake, torch.Tensor, found.append)

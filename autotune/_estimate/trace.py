@@ -1,6 +1,8 @@
 """How the estimator traces one training step of a plan (:mod:`autotune._estimate.estimate` is the public side).
 
-The model is copied under ``FakeTensorMode`` (tensors without data), the plan is applied as a run applies it
+The model is copied under ``FakeTensorMode`` (tensors without data; a step that reads tensor values is traced on a copy
+with real tensors on the host instead, at small micro-batches and along their line beyond: see
+:meth:`Traces._traced`), the plan is applied as a run applies it
 (:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
 which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
 The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
@@ -28,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
 from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
@@ -40,6 +45,8 @@ from autotune._runtime.blocks import checkpoint_blocks, offload_activations, sel
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
 from autotune._estimate.sharding import cast_unit_inputs, rank_state
+from autotune._estimate import real_path
+from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, peak_of, to_bytes
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
 from autotune._estimate.fake_step import (
     OptimizerFactory,
@@ -64,6 +71,8 @@ if TYPE_CHECKING:
 
 
 __all__ = ["Estimate", "Traces", "estimate_device"]
+
+log = logging.getLogger(__name__)
 
 _TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "overhead")
@@ -96,7 +105,11 @@ class Estimate:
         context_bytes: On CUDA, device memory the process holds outside the caching allocator (the CUDA context,
             :data:`autotune._estimate.cuda_rules.CUDA_CONTEXT_BYTES`): not in the peak, which is what
             ``max_memory_allocated`` reports, but not free for it either; 0 on the CPU.
-        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each.
+        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each; for
+            a ``method`` other than ``"fake"``, the first says how it was traced and how close to a line the peak was.
+        method: How the step was traced: ``"fake"`` (tensors without data, at this micro-batch), ``"real"`` (real
+            tensors on the host, at this micro-batch: the step reads tensor values) or ``"extrapolated"`` (real
+            tensors at two small micro-batches, the line through them taken to this one).
 
     Example:
         >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
@@ -120,6 +133,7 @@ class Estimate:
     gathered_bytes: int = 0
     context_bytes: int = 0
     model_state_bytes: int = 0
+    method: str = "fake"
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the predicted peak is at most ``budget_bytes``."""
@@ -154,7 +168,7 @@ class Traces:
     world size changes the closed-form parts only)."""
 
     def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
-                 optimizer: OptimizerFactory | None, world_size: int | None = None) -> None:
+                 optimizer: OptimizerFactory | None, world_size: int | None = None, trace: str = "auto") -> None:
         if plan.precision not in _TRACEABLE_PRECISIONS:
             raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
                              f"got {plan.precision!r}")
@@ -172,11 +186,16 @@ class Traces:
         self.world_size = _world_size(world_size, plan)
         self._done: dict[int, _Traced] = {}
         self._fake: _FakeStep | None = None
+        self._real_done: dict[tuple[int, bool], _Traced] = {}  # real traces by (micro-batch, accumulating)
+        self._seconds: dict[tuple[int, bool], float] = {}  # and the host time each took
+        self.real = trace != "auto"  # traced with real tensors on the host (the step reads tensor values, or asked)
+        self.line = trace == "line"  # beyond micro-batch 4, on the line through 2 and 4 (whatever the host could run)
 
     def fake_step(self) -> _FakeStep:
-        """The fake model and step every micro-batch of this plan is traced with (made at the first)."""
+        """The fake model and step every micro-batch of this plan is traced with (made at the first); real tensors
+        on the host once the step was found to read values."""
         if self._fake is None:
-            self._fake = _FakeStep(self)
+            self._fake = _FakeStep(self, real=self.real)
         return self._fake
 
     def forget_fake_step(self) -> None:
@@ -189,8 +208,65 @@ class Traces:
             raise ValueError(f"micro_batch_size must be an int in 1..{self.size} (the batch size); got {micro!r}")
         world = self.world_size if world_size is None else _world_size(world_size, self.plan)
         if micro not in self._done:
-            self._done[micro] = _trace(self, micro)
+            self._done[micro] = self._traced(micro)
         return self._done[micro].over(world, self.plan)
+
+    def _traced(self, micro: int) -> _Traced:
+        """``micro`` traced with fake tensors; for a step that reads tensor values, with real ones on the host: at
+        ``micro`` itself up to 4 or where the host runs it within ``REAL_SECONDS`` and ``REAL_HOST_SHARE`` of its free
+        memory (judged from micro-batches 1 and 2), else along the line through the two largest powers of two it can
+        (4 at least), a quarter of the larger checking the line."""
+        if not self.real:
+            try:
+                return _trace(self, micro)
+            except _ReadsValues as error:
+                self._go_real(error)
+        if micro <= 2:
+            return self._real(micro)
+        # the small micro-batches traced as the asked one runs: adding to the last gradients (a later micro-batch of
+        # a cut batch) or not (the whole batch at once: zero_grad before backward)
+        accumulate = micro < self.size
+        one, two = self._real(1, accumulate), self._real(2, accumulate)
+        seconds = self._seconds[2, accumulate] / 2  # per sample, the fixed part in (micro 1 made the copy: not it)
+        slope = peak_of(two) - peak_of(one)
+        free = psutil.virtual_memory().available
+
+        def affordable(m: int) -> bool:
+            within_time = seconds * m <= real_path.REAL_SECONDS
+            return within_time and peak_of(one) + slope * (m - 1) <= real_path.REAL_HOST_SHARE * free
+
+        if micro <= 4 or (not self.line and affordable(micro)):
+            return self._real(micro)
+        b = 4  # lines from micro-batches 1 and 2 missed by up to 70% (a peak set by fixed-size buffers there)
+        while 2 * b < micro and not self.line and affordable(2 * b):
+            b *= 2
+        return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
+                             check=(b // 4, self._real(b // 4, accumulate)))
+
+    def _real(self, micro: int, accumulate: bool | None = None) -> _Traced:
+        """``micro`` traced with real tensors (``accumulate``: as a later micro-batch of a cut batch; None: as
+        ``micro`` runs), kept."""
+        key = (micro, micro < self.size if accumulate is None else accumulate)
+        if key not in self._real_done:
+            start = time.perf_counter()
+            self._real_done[key] = _trace(self, micro, accumulate=key[1])
+            self._seconds[key] = time.perf_counter() - start
+        return self._real_done[key]
+
+    def _go_real(self, error: _ReadsValues) -> None:
+        """Trace with real tensors from now on, or one line saying why that cannot be done (weights on the meta
+        device)."""
+        name = type(self.model).__name__
+        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+            raise ValueError(
+                f"cannot estimate {name}: its training_step reads tensor values ({error.detail}), which a trace "
+                "without data cannot follow, and its weights are on the meta device, so there are none to trace "
+                "with; estimate the same architecture with real weights at a size the host holds (fewer layers or "
+                "a narrower width) and scale the per-layer bytes") from None
+        log.info("autotune: %s.training_step reads tensor values (%s); estimating with real tensors on the host",
+                 name, error.detail)
+        self.real = True
+        self.forget_fake_step()
 
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
@@ -303,8 +379,12 @@ class _FakeStep:
     model that keeps Python state from step to step (a step counter, a list it appends to) is traced after as many
     steps as micro-batches were traced before; a step whose trace fails drops the copy."""
 
-    def __init__(self, traces: Traces) -> None:
-        plan, device, self.what_if = traces.plan, traces.trace_device, traces.what_if
+    def __init__(self, traces: Traces, *, real: bool = False) -> None:
+        # real tensors run on the host, under CUDA's rules for a CUDA target (as a what-if trace does)
+        self.real = real
+        self.device = device = torch.device("cpu") if real else traces.trace_device
+        self.what_if = traces.device.type == "cuda" if real else traces.what_if
+        plan = traces.plan
         self.precision = precision = precision_plugin(plan.precision, device)
         if self.what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
             low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
@@ -314,10 +394,11 @@ class _FakeStep:
             self.autocast = precision.forward_context if precision is not None else contextlib.nullcontext
         self.in_backward = [False]
         self.warm = False
-        self.mode = fake_tensor_mode(allow_non_fake_inputs=True)
+        self.mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
         trainer = trainer_reference(traces.model)
-        with fake_copy_mode(self.mode):
-            self.model = fake = copy.deepcopy(traces.model, {id(trainer): None} if trainer is not None else {})
+        memo = {id(trainer): None} if trainer is not None else {}
+        with contextlib.nullcontext() if real else fake_copy_mode(self.mode):
+            self.model = fake = copy.deepcopy(traces.model, memo)
         with self.entered():
             # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16,
             # with the fp32 master shards in closed form (rank_state)
@@ -343,14 +424,15 @@ class _FakeStep:
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
-        with self.mode, warnings.catch_warnings():
+        rng = torch.random.fork_rng(devices=[]) if self.real else contextlib.nullcontext()  # the user's RNG untouched
+        with self.mode, rng, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
             warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
             yield
 
     def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None) -> None:
         """Forward (the last gradients alive), ``zero_grad``, backward, update."""
-        with _offload(self.plan, self.what_if):
+        with _offload(self.plan, self.what_if, self.real):
             with self.autocast():
                 loss = loss_of(self.model, self.model.training_step(inputs, 0))
             if zero_grad:
@@ -369,13 +451,30 @@ class _FakeStep:
             opt.step()
 
 
-def _trace(traces: Traces, micro: int) -> _Traced:
+class _ReadsValues(ValueError):
+    """A fake trace met a step that reads a tensor's value (``.item()``, a mask checked with ``.all()``, data-dependent
+    routing): the real-tensor path can answer."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+#: What torch's fake tensors raise at a value read (``.item()``) or an output whose shape depends on values
+#: (``nonzero``, boolean masks).
+_READS_VALUES = ("DataDependent", "DynamicOutputShape")
+
+
+def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Traced:
+    """One step at ``micro`` samples; ``accumulate``: adding to the gradients of an earlier micro-batch (None: when
+    ``micro`` cuts the batch)."""
     fake = traces.fake_step()
-    plan, device, size, what_if = traces.plan, traces.trace_device, traces.size, traces.what_if
+    plan, device, size, what_if = traces.plan, fake.device, traces.size, fake.what_if
     part = slice_batch(traces.batch, 0, micro, size) if micro < size else traces.batch
-    accumulate = micro < size  # a later micro-batch of the step adds to the gradients of the earlier ones
+    if accumulate is None:  # a later micro-batch of the step adds to the gradients of the earlier ones
+        accumulate = micro < size
     with fake.entered(), quiet_torch_logs():
-        inputs, input_tensors = fake_batch(fake.mode, part, device, fake.precision)
+        inputs, input_tensors = fake_batch(None if fake.real else fake.mode, part, device, fake.precision)
         try:
             if not fake.warm:
                 fake.step(inputs, zero_grad=True)  # the first step makes the gradients and the optimizer state
@@ -393,23 +492,27 @@ def _trace(traces: Traces, micro: int) -> _Traced:
             if not isinstance(error, (RuntimeError, NotImplementedError, TypeError)):
                 raise
             message = " ".join(str(error).split())[:300]
-            reads_values = "DataDependent" in type(error).__name__ or "_local_scalar_dense" in message
-            hint = ("; the estimator cannot trace steps that read tensor values (such as .item() or data-dependent "
-                    "shapes)") if reads_values else ""
-            raise ValueError(f"cannot trace {type(traces.model).__name__}.training_step with plan "
-                             f"[{plan.describe()}] under FakeTensorMode ({type(error).__name__}: {message}){hint}"
-                             ) from error
+            detail = f"{type(error).__name__}: {message}"
+            where = "with real tensors on the host" if fake.real else "under FakeTensorMode"
+            text = (f"cannot trace {type(traces.model).__name__}.training_step with plan [{plan.describe()}] {where} "
+                    f"({detail})")
+            reads = any(k in type(error).__name__ for k in _READS_VALUES) or "_local_scalar_dense" in message
+            if reads and not fake.real:
+                raise _ReadsValues(text, detail) from error
+            raise ValueError(text) from error
         optimizers = fake.optimizers
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
-    notes = tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
+    real = (f"{REAL_NOTE} {micro}",) if fake.real else ()
+    notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
     phases = []
     for backward, snapshot in enumerate(snapshots):
         estimate, update_temporaries = _estimate_from(
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
-        phases.append(_Phase(dataclasses.replace(estimate, notes=notes), update_temporaries, bool(backward)))
+        estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
+        phases.append(_Phase(estimate, update_temporaries, bool(backward)))
     return _Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
 
 
@@ -446,12 +549,15 @@ def _recompute_under(blocks: list[Any], low: torch.dtype, in_backward: list[bool
         block.forward = forward
 
 
-def _offload(plan: Plan, what_if: bool) -> Any:
-    """Activation offload as a run does it; in a what-if trace, saved tensors go to the meta device (the host)."""
+def _offload(plan: Plan, what_if: bool, real: bool) -> Any:
+    """Activation offload as a run does it; in a what-if trace, saved tensors go to the meta device (the host), or,
+    holding data (the real-tensor path), to bytes outside torch, which the tracker does not see either."""
     if not plan.activation_offload:
         return contextlib.nullcontext()
     if not what_if:
         return offload_activations(pin_memory=False)
+    if real:
+        return torch.autograd.graph.saved_tensors_hooks(to_bytes, from_bytes)
     return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.to("meta")),
                                                     lambda packed: packed[1].to(packed[0]))
 

@@ -212,6 +212,12 @@ class SearchEstimator:
         result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
         return None if result is _FAILED else result.predicted_peak_bytes
 
+    def method(self, plan: Plan) -> str | None:
+        """How ``plan``'s estimate was traced (``Estimate.method``), None when it cannot tell; costs nothing once
+        :meth:`tensors` answered."""
+        result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
+        return None if result is _FAILED else result.method
+
     def traced(self, plan: Plan) -> bool:
         """Whether ``plan`` (its shape at its micro-batch) has been traced: its estimate costs nothing."""
         traces = self._traces.get(_shape(plan).key())

@@ -47,6 +47,7 @@ def _rows(study: Any) -> list[dict[str, Any]]:
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
             "interval": attrs.get("interval"), "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
             "reason": attrs.get("reason", ""), "chosen": choice.get("trial") == t.number,
+            "predicted_peak_bytes": attrs.get("predicted_peak_bytes"), "estimate_method": attrs.get("estimate_method"),
             "remeasured": [r.get("samples_per_second") or 0.0 for r in again.get(str(t.number), [])],
         })
     return rows
@@ -56,24 +57,37 @@ def _half(interval: Any, rate: float | None) -> str:
     return f"+-{(interval[1] - interval[0]) / 2 / rate:.1%}" if interval and rate else "-"
 
 
+#: How a trial's predicted peak was traced, where not without data (``Estimate.method``): a mark in the table.
+_METHOD_MARK = {"real": " r", "extrapolated": " x"}
+_METHOD_LEGEND = {"real": "traced with real tensors on the host (the step reads tensor values)",
+                  "extrapolated": "on the line through two such traces at smaller micro-batches"}
+
+
 def trial_table(study: Any) -> str:
     """A plain-text table of every trial: plan, throughput with its interval, peak, whether it fits, and why not;
     the chosen plan marked ``*`` with the figures that chose it (the mean of all its runs)."""
     budget = study.user_attrs.get("budget", "?")
     lines = [f"study '{study.study_name}': target {study.user_attrs.get('target', '?')}, budget {budget}, "
              f"space {study.user_attrs.get('space', '?')}"]
-    header = f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} {'fits':<4}  plan / reason"
+    header = (f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} {'predicted':>13} {'fits':<4}  "
+              "plan / reason")
     lines += [header, "-" * len(header)]
-    for r in _rows(study):
+    rows = _rows(study)
+    for r in rows:
         sps = f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-"
         peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
+        predicted = "-" if r["predicted_peak_bytes"] is None else (
+            format_bytes(r["predicted_peak_bytes"]) + _METHOD_MARK.get(r["estimate_method"], ""))
         fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
         why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
         again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
         mark = "*" if r["chosen"] else " "
         half = _half(r["interval"], r["samples_per_second"])
         lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {half:>8} "
-                     f"{peak:>11} {fits:<4}  {r['plan']}{why}{again}")
+                     f"{peak:>11} {predicted:>13} {fits:<4}  {r['plan']}{why}{again}")
+    marks = sorted({r["estimate_method"] for r in rows} & _METHOD_MARK.keys())
+    if marks:
+        lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))
     choice = chosen(study)
     if choice:
         low, high = choice["interval"]

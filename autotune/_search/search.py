@@ -315,6 +315,7 @@ class _Objective:
         predicted = None if bounded else self.predict(plan)
         if predicted is not None:
             trial.set_user_attr("predicted_peak_bytes", predicted)
+            trial.set_user_attr("estimate_method", self.estimator.method(plan))
             least = self.estimator.least_peak(plan)
             if least is not None and least > limit:
                 result = TrialResult("oom", peak_bytes=least,
