@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from autotune._target.target import Target
 
-__all__ = ["Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_device",
-           "estimate_target", "first_batch", "max_micro_batch_size"]
+__all__ = ["BatchSizes", "Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_device",
+           "estimate_target", "first_batch", "longest_batch", "max_micro_batch_size"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +222,52 @@ def first_batch(target: Target, *, seq_len: int | None = None) -> Any:
         return with_sequence_length(batch, size, seq_len)
     except ValueError as error:
         raise ValueError(f"--seq-len {seq_len}: target '{target.spec}': {error}") from None
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Elements per sample (:func:`autotune._runtime.batch.sample_size_of`: padded length x tensors, image size) of
+    the batches read from a target's train dataloader."""
+
+    batches: int
+    smallest: float
+    median: float
+    largest: float
+
+    @property
+    def varies(self) -> bool:
+        """Whether the batches' memory follows their shape: the largest sample is over 5% above the smallest."""
+        return self.largest > 1.05 * self.smallest
+
+    def describe(self) -> str:
+        return (f"elements per sample {self.smallest:g}-{self.largest:g} (median {self.median:g}) over the first "
+                f"{self.batches} batches")
+
+
+def longest_batch(target: Target, *, batches: int = 32, seconds: float = 10.0) -> tuple[Any, BatchSizes]:
+    """Of the first ``batches`` batches of the target's train dataloader (as many as ``seconds`` allow, one at
+    least), the one with the largest samples (where batches are padded to their longest sequence, or mix
+    resolutions, the one whose micro-batches need the most memory), and the sizes seen; ``TargetError`` if there is
+    no batch."""
+    import statistics
+    import time
+
+    from autotune._runtime.batch import batch_size_of, sample_size_of
+
+    first = _first_batch(target)
+    owner: Any = target.datamodule if target.datamodule is not None else target.model
+    start, seen, best, best_size = time.perf_counter(), [], first, -1.0
+    loader = iter(owner.train_dataloader())
+    for batch in loader:
+        size = sample_size_of(batch, batch_size_of(batch) or 1)
+        seen.append(size)
+        if size > best_size:
+            best, best_size = batch, size
+        if len(seen) >= batches or time.perf_counter() - start > seconds:
+            break
+    if not seen:
+        return first, BatchSizes(0, 0.0, 0.0, 0.0)
+    return best, BatchSizes(len(seen), min(seen), statistics.median(seen), max(seen))
 
 
 def _first_batch(target: Target) -> Any:

@@ -24,10 +24,13 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
+
+if TYPE_CHECKING:
+    from autotune._estimate.estimate import BatchSizes
 
 log = logging.getLogger("autotune")
 
@@ -176,6 +179,7 @@ class SearchEstimator:
         self._first_micro = 1  # the micro-batch of the first measurement (the short run's)
         self._pending: dict[str, list[tuple[Plan, int]]] = {}  # shape: measurements not calibrated from yet
         self._batch: Any = None
+        self.batch_sizes: BatchSizes | None = None  # of the batches read, once the estimator first ran
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
@@ -274,13 +278,13 @@ class SearchEstimator:
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
-        from autotune._estimate.estimate import first_batch
+        from autotune._estimate.estimate import longest_batch
         from autotune._estimate.trace import Traces
 
         try:
             with _TRACING:
-                if self._batch is None:
-                    self._batch = first_batch(self.target)
+                if self._batch is None:  # where lengths vary, micro-batches are estimated on the longest batch seen
+                    self._batch, self.batch_sizes = longest_batch(self.target)
                 shape = _shape(plan)
                 traces = self._traces.get(shape.key())
                 if traces is None:

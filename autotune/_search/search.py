@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -9,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
@@ -32,6 +33,9 @@ from autotune._search.trial import (
     run_trial,
     start_trial_server,
 )
+
+if TYPE_CHECKING:
+    from autotune._estimate.estimate import BatchSizes
 
 log = logging.getLogger("autotune")
 
@@ -202,7 +206,9 @@ def search(
         )
         if out_path is not None:
             plan.save(out_path, command=command)
-        return SearchResult(plan=plan, study=the_study, trial_number=best.number, notes=space_obj.notes, figure=figure)
+        return SearchResult(plan=plan, study=the_study, trial_number=best.number,
+                            notes=space_obj.notes + _shape_notes(the_study, runner.estimator.batch_sizes, plan),
+                            figure=figure)
     finally:
         logging.getLogger(OPTUNA_OPTIMIZE).removeFilter(drop_interrupts)
         optuna.logging.set_verbosity(verbosity)
@@ -402,6 +408,17 @@ class _Objective:
         plan = plan_from_params(trial.params, micro_batch_size=trial.user_attrs.get("micro_batch_size"),
                                 **sharded_devices(trial.params, self.devices))
         return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
+
+
+def _shape_notes(study: Any, sizes: BatchSizes | None, plan: Plan) -> tuple[str, ...]:
+    """Where the target's batches vary in shape (dynamic padding, mixed resolutions): a note, and the sizes kept in
+    the study (``batch_sizes``)."""
+    if sizes is None or not sizes.varies:
+        return ()
+    study.set_user_attr("batch_sizes", dataclasses.asdict(sizes))
+    return (f"batches vary in shape ({sizes.describe()}): each plan was estimated on the batch of the largest samples, "
+            f"so micro-batch {plan.micro_batch_size} is predicted to fit it; trials measured the batches the loader "
+            "gave them, and at run time ElasticBatchSize splits each batch by its own shape",)
 
 
 def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
