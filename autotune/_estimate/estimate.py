@@ -43,6 +43,7 @@ class TargetEstimate:
     max_micro_batch_size: int | None
     parameter_count: int = 0
     baseline_bytes: int = 0
+    measured_peak_bytes: int | None = None  # a short run's peak where one settled the fit (``autotune estimate``)
 
     @property
     def peak_bytes(self) -> int:
@@ -57,7 +58,10 @@ class TargetEstimate:
 
     @property
     def fits(self) -> bool:
-        """Whether the row's micro-batch fits the budget (with the process baseline)."""
+        """Whether the row's micro-batch fits the budget (with the process baseline); a measured peak, where a short
+        run took one, decides."""
+        if self.measured_peak_bytes is not None:
+            return self.measured_peak_bytes <= self.budget_bytes
         return self.peak_bytes <= self.budget_bytes
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,7 +75,8 @@ class TargetEstimate:
                 "max_micro_batch_size": self.max_micro_batch_size, "world_size": self.estimate.world_size,
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
                 "state_bytes_per_parameter": self.state_bytes_per_parameter,
-                "method": self.estimate.method, "notes": list(self.estimate.notes)}
+                "method": self.estimate.method, "measured_peak_bytes": self.measured_peak_bytes,
+                "notes": list(self.estimate.notes)}
 
 
 def estimate(
