@@ -312,7 +312,7 @@ def test_a_step_that_reads_values_is_traced_with_real_tensors():
 
     got = estimate(model=Reads(), batch=tiny_batch(), plan=Plan(), device="cpu")
     fake = estimate(model=TinyMLP(), batch=tiny_batch(), plan=Plan(), device="cpu")
-    assert (got.method, fake.method) == ("real", "fake")  # more in tests/test_estimate_reads_values.py
+    assert got.method in ("real", "extrapolated") and fake.method == "fake"  # more: tests/test_estimate_reads_values.py
     assert abs(got.predicted_peak_bytes - fake.predicted_peak_bytes) <= 0.01 * fake.predicted_peak_bytes
 
 

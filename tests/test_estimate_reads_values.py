@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
+from torch import nn
 
 import autotune._estimate.real_path as real_path
 import autotune._estimate.trace as trace
@@ -36,8 +38,11 @@ def test_lightning_demo_transformer_is_estimated_on_every_default_plan(plan: Pla
     with pytest.raises(ValueError, match=r"under FakeTensorMode \(DataDependentOutputException"):
         trace._trace(trace.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None), 32)
     got = estimate(model=model, batch=batch, plan=plan, device="cpu")
-    assert got.method == "real" and got.notes[0] == ("the step reads tensor values: traced with real tensors on the "
-                                                     "host at micro 32")
+    # traced at 32, or on the line of two smaller micro-batches where the host took too long (a loaded machine)
+    assert (got.method, got.notes[0]) in (("real", "the step reads tensor values: traced with real tensors on the "
+                                                   "host at micro 32"),
+                                          ("extrapolated", got.notes[0] if " extrapolated along their line to 32 "
+                                           in got.notes[0] else None))
     assert abs(error(got.predicted_peak_bytes, measured("transformer", plan, 32))) <= TOLERANCE
 
 
@@ -46,7 +51,7 @@ def test_lightning_demo_transformer_is_estimated_on_every_default_plan(plan: Pla
 def test_a_mixture_of_experts_with_data_dependent_routing_is_estimated(plan: Plan) -> None:
     model, batch = bench.build("moe")  # nonzero() per expert: shapes known only from the router's values
     got = estimate(model=model, batch=batch, plan=plan, device="cpu")
-    assert got.method == "real"
+    assert got.method in ("real", "extrapolated")  # the latter where a loaded host took too long
     assert abs(error(got.predicted_peak_bytes, measured("moe", plan))) <= TOLERANCE
 
 
@@ -69,9 +74,10 @@ def test_what_if_cuda_works_on_the_real_path(name: str) -> None:
                  Plan(activation_offload=True, micro_batch_size=8)):
         got = estimate(model=model, batch=batch, plan=plan, device="cuda")
         cpu = estimate(model=model, batch=batch, plan=plan, device="cpu")
-        assert got.method == "real" and got.device == "cuda:0" and got.context_bytes > 0
+        assert got.method in ("real", "extrapolated") and got.device == "cuda:0" and got.context_bytes > 0
         assert any(note.startswith("no CUDA on this machine: estimated what-if") for note in got.notes)
-        assert got.predicted_peak_bytes % 512 == 0 and got.overhead_bytes > cpu.overhead_bytes  # rounding, cuBLAS
+        assert got.overhead_bytes > cpu.overhead_bytes  # cuBLAS's workspaces
+        assert got.method == "extrapolated" or got.predicted_peak_bytes % 512 == 0  # CUDA's allocator rounding
         if plan.activation_offload:  # saved tensors leave the device
             assert got.host_bytes > 0 and got.activations_bytes < estimate(
                 model=model, batch=batch, plan=plan.replace(activation_offload=False), device="cuda").activations_bytes
@@ -94,6 +100,7 @@ def test_larger_micro_batches_lie_on_the_line_of_two_smaller_ones(name: str) -> 
 
 def test_a_micro_batch_too_costly_for_the_host_is_extrapolated(monkeypatch: pytest.MonkeyPatch) -> None:
     model, batch = bench.build("transformer")
+    monkeypatch.setattr(real_path, "REAL_SECONDS", 1e9)
     assert estimate(model=model, batch=batch, plan=Plan(), device="cpu").method == "real"
     monkeypatch.setattr(real_path, "REAL_SECONDS", 0.0)  # every micro-batch over 4 is "too slow" to trace on the host
     got = estimate(model=model, batch=batch, plan=Plan(), device="cpu")
@@ -152,16 +159,18 @@ def test_the_cli_table_and_json_say_how_each_row_was_traced(tmp_path, capsys) ->
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines()[2:] if not line.startswith("note: ")]
-    assert rows and all(line.endswith("  real") for line in rows)
-    assert "note: the step reads tensor values: traced with real tensors on the host at micro 16" in out
+    assert rows and all(line.endswith(("  real", "  real, extrapolated")) for line in rows)  # the latter: loaded host
+    assert "note: the step reads tensor values: traced with real tensors on the host at micro " in out
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert {row["method"] for row in data} == {"real"}
+    assert {row["method"] for row in data} <= {"real", "extrapolated"}
 
 
-def test_the_search_estimates_such_a_target_and_records_how(tmp_path) -> None:
+def test_the_search_estimates_such_a_target_and_records_how(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from autotune._search.rank import SearchEstimator
     from autotune._target.target import load_target
+
+    monkeypatch.setattr(real_path, "REAL_SECONDS", 1e9)  # traced at the micro-batch however loaded the host is
 
     path = tmp_path / "demo_transformer.py"
     path.write_text(TARGET.format(benchmarks=str(bench.__file__.rsplit("/", 1)[0])))
@@ -170,3 +179,71 @@ def test_the_search_estimates_such_a_target_and_records_how(tmp_path) -> None:
     assert estimator.tensors(plan) == estimate(model=bench.build("transformer")[0], batch=bench.build("transformer")[1],
                                                plan=plan, device="cpu").predicted_peak_bytes
     assert estimator.method(plan) == "real"  # the trial's estimate_method, shown as 'r' by `autotune report`
+
+
+class Routed(LightningModule):
+    """Each sample goes to the expert its label names (``nonzero``): a micro-batch of 1 reaches one expert of 4, and
+    ``guard`` False runs the experts left without samples on empty tensors."""
+
+    def __init__(self, guard: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.guard = guard
+        self.router = nn.Linear(64, 4)
+        self.experts = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def training_step(self, batch, batch_idx):
+        x, expert = batch
+        out = torch.zeros_like(x)
+        for index, layer in enumerate(self.experts):
+            picked = (expert == index).nonzero().squeeze(-1)
+            if picked.numel() or not self.guard:
+                out = out.index_add(0, picked, layer(x[picked]))
+        return (out + self.router(x).sum()).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def routed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 4
+
+
+def test_routing_that_leaves_experts_idle_gives_the_same_answer_whatever_was_traced_before() -> None:
+    # every expert keeps its gradient and optimizer state, as in a run's steady state: the answer at micro 1 does not
+    # depend on whether micro 16 was traced first, and the line from micro-batches 2 and 4 meets the direct trace
+    model, batch = Routed(), routed_batch()
+    fresh = estimate(model=model, batch=batch, plan=Plan(micro_batch_size=1), device="cpu")
+    traces = trace.Traces(model=model, batch=batch, plan=Plan(), device="cpu", optimizer=None)
+    traces.at(16)
+    assert traces.at(1).predicted_peak_bytes == fresh.predicted_peak_bytes
+    state = sum(p.numel() * 4 for p in model.parameters()) * 2 + 4 * len(list(model.parameters()))
+    assert fresh.optimizer_state_bytes == state  # AdamW's two moments and step of every parameter
+    line = estimate(model=model, batch=batch, plan=Plan(), device="cpu", trace="line")
+    direct = estimate(model=model, batch=batch, plan=Plan(), device="cpu", trace="real")
+    assert line.method == "extrapolated" and abs(error(line.predicted_peak_bytes, direct.predicted_peak_bytes)) <= 0.01
+
+
+def test_activation_offload_keeps_empty_saved_tensors() -> None:
+    got = estimate(model=Routed(guard=False), batch=routed_batch(),
+                   plan=Plan(activation_offload=True, micro_batch_size=2), device="cuda")
+    assert got.method == "real" and got.host_bytes > 0
+
+
+def test_every_real_trace_of_a_meta_device_model_gets_one_line() -> None:
+    with torch.device("meta"):
+        model = Routed()
+    for how in ("real", "line"):
+        with pytest.raises(ValueError, match=rf"^cannot estimate Routed: trace='{how}' runs the step with real "
+                                             r"tensors, and its weights are on the meta device"):
+            estimate(model=model, batch=routed_batch(), plan=Plan(), device="cpu", trace=how)
+
+
+def test_a_step_that_reads_values_through_numpy_is_traced_with_real_tensors() -> None:
+    class ThroughNumpy(Routed):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float(batch[1].numpy().max() > 1)
+
+    assert estimate(model=ThroughNumpy(), batch=routed_batch(), plan=Plan(), device="cpu").method in (
+        "real", "extrapolated")

@@ -102,7 +102,8 @@ def estimate(
             replicated model state under DDP (plus its gradient buckets), sharded under ``strategy="fsdp"`` (the
             shards, plus the gathered units), and the rank's micro-batch of activations.
         trace: ``"auto"`` (without data; with real tensors on the host when the step reads values), ``"real"``
-            (with real tensors on the host whatever the step does: a cross-check of the first path) or ``"line"``
+            (with real tensors on the host at the micro-batch asked, whatever the step does and however long the host
+            takes: a cross-check of the first path) or ``"line"``
             (real tensors at micro-batches up to 4, larger ones on the line through 2 and 4, however fast the host:
             a check of the extrapolation that models too costly for the host get).
 

@@ -22,6 +22,8 @@ REAL_HOST_SHARE = 0.5
 REAL_NOTE = "the step reads tensor values: traced with real tensors on the host at micro"
 
 T = TypeVar("T")
+#: The parts of a phase's peak that do not grow with the micro-batch.
+_STATE = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "overhead_bytes")
 
 
 def peak_of(traced: Any) -> int:
@@ -30,10 +32,10 @@ def peak_of(traced: Any) -> int:
 
 
 def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[int, Any]) -> T:
-    """``micro`` on the line through traces at micro-batches ``a`` < ``b``: each phase's peak on its line, its parts
-    on theirs with the activations taking up the rest (the moment of the peak can move between ``a`` and ``b``, so the
-    parts' lines need not add up to the peak's); a note says how far another traced micro-batch (``check``) lies off
-    the line."""
+    """``micro`` on the line through traces at micro-batches ``a`` < ``b``: each phase's peak on its line; its model
+    state and overhead as at ``b``, its temporaries on their line, and the activations taking up the rest (the moment
+    of the peak can move between ``a`` and ``b``, so the parts' lines need not add up to the peak's); a note says how
+    far another traced micro-batch (``check``) lies off the line."""
 
     def line(x: int, y: int, at: int) -> int:
         return max(0, round(y + (y - x) * (at - b) / (b - a)))
@@ -47,7 +49,9 @@ def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[i
     phases = []
     for pa, pb in zip(at_a.phases, at_b.phases):  # type: ignore[attr-defined]
         ea, eb = pa.estimate, pb.estimate
-        parts = {name: line(getattr(ea, name), getattr(eb, name), micro)
+        # model state and overhead as at b (they do not grow with the samples: at small micro-batches routing may
+        # leave experts without gradients, which a larger one gives them), temporaries on their line
+        parts = {name: getattr(eb, name) if name in _STATE else line(getattr(ea, name), getattr(eb, name), micro)
                  for name in (f"{c}_bytes" for c in eb.breakdown()) if name != "activations_bytes"}
         peak = line(ea.predicted_peak_bytes, eb.predicted_peak_bytes, micro)
         parts["activations_bytes"] = max(0, peak - sum(parts.values()))
@@ -64,10 +68,14 @@ def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[i
 def to_bytes(t: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     """A saved tensor off the device (activation offload, what-if): a meta tensor, which the tracker counts as the
     host's, and its data in bytes, which it does not see."""
+    if t.numel() == 0:  # an expert no token was routed to
+        return t.to("meta"), b""
     return t.to("meta"), t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def from_bytes(packed: tuple[torch.Tensor, bytes]) -> torch.Tensor:
     """The saved tensor back from :func:`to_bytes`."""
     meta, data = packed
+    if not data:
+        return torch.empty(meta.shape, dtype=meta.dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(meta.dtype).view(meta.shape)

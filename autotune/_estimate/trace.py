@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
+from torch import nn
 
 from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
@@ -63,6 +64,7 @@ from autotune._estimate.fake_step import (
     with_optimizer_state,
 )
 from autotune._runtime.offload import device_part, is_offloaded
+from autotune._runtime.state import RNGState
 from autotune._plan.plan import Plan
 from autotune._device.probe import DeviceSpec, resolve_device
 
@@ -189,7 +191,9 @@ class Traces:
         self._real_done: dict[tuple[int, bool], _Traced] = {}  # real traces by (micro-batch, accumulating)
         self._seconds: dict[tuple[int, bool], float] = {}  # and the host time each took
         self.real = trace != "auto"  # traced with real tensors on the host (the step reads tensor values, or asked)
-        self.line = trace == "line"  # beyond micro-batch 4, on the line through 2 and 4 (whatever the host could run)
+        self.how = trace  # "real": at the micro-batch asked; "line": beyond 4, on the line through 2 and 4
+        if self.real:
+            self._check_weights(f"trace={trace!r} runs the step with real tensors")
 
     def fake_step(self) -> _FakeStep:
         """The fake model and step every micro-batch of this plan is traced with (made at the first); real tensors
@@ -221,7 +225,7 @@ class Traces:
                 return _trace(self, micro)
             except _ReadsValues as error:
                 self._go_real(error)
-        if micro <= 2:
+        if micro <= 4 or self.how == "real":
             return self._real(micro)
         # the small micro-batches traced as the asked one runs: adding to the last gradients (a later micro-batch of
         # a cut batch) or not (the whole batch at once: zero_grad before backward)
@@ -235,10 +239,10 @@ class Traces:
             within_time = seconds * m <= real_path.REAL_SECONDS
             return within_time and peak_of(one) + slope * (m - 1) <= real_path.REAL_HOST_SHARE * free
 
-        if micro <= 4 or (not self.line and affordable(micro)):
+        if self.how == "auto" and affordable(micro):
             return self._real(micro)
         b = 4  # lines from micro-batches 1 and 2 missed by up to 70% (a peak set by fixed-size buffers there)
-        while 2 * b < micro and not self.line and affordable(2 * b):
+        while 2 * b < micro and self.how == "auto" and affordable(2 * b):
             b *= 2
         return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
                              check=(b // 4, self._real(b // 4, accumulate)))
@@ -257,16 +261,20 @@ class Traces:
         """Trace with real tensors from now on, or one line saying why that cannot be done (weights on the meta
         device)."""
         name = type(self.model).__name__
-        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
-            raise ValueError(
-                f"cannot estimate {name}: its training_step reads tensor values ({error.detail}), which a trace "
-                "without data cannot follow, and its weights are on the meta device, so there are none to trace "
-                "with; estimate the same architecture with real weights at a size the host holds (fewer layers or "
-                "a narrower width) and scale the per-layer bytes") from None
+        self._check_weights(f"its training_step reads tensor values ({error.detail}), which a trace without data "
+                            "cannot follow")
         log.info("autotune: %s.training_step reads tensor values (%s); estimating with real tensors on the host",
                  name, error.detail)
         self.real = True
         self.forget_fake_step()
+
+    def _check_weights(self, why: str) -> None:
+        """One line (ValueError) when the real-tensor path has no weights to trace with: a meta-device model."""
+        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+            raise ValueError(
+                f"cannot estimate {type(self.model).__name__}: {why}, and its weights are on the meta device, so "
+                "there are none to trace with; estimate the same architecture with real weights at a size the host "
+                "holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
 
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
@@ -396,7 +404,13 @@ class _FakeStep:
         self.warm = False
         self.mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
         trainer = trainer_reference(traces.model)
-        memo = {id(trainer): None} if trainer is not None else {}
+        memo: dict[int, Any] = {id(trainer): None} if trainer is not None else {}
+        if real:  # the copy is made on the host, whatever device the model is on
+            for t in (*traces.model.parameters(), *traces.model.buffers()):
+                if t.device.type != "cpu":
+                    host = t.detach().to("cpu", copy=True)
+                    memo[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(
+                        t, nn.Parameter) else host
         with contextlib.nullcontext() if real else fake_copy_mode(self.mode):
             self.model = fake = copy.deepcopy(traces.model, memo)
         with self.entered():
@@ -424,14 +438,16 @@ class _FakeStep:
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
-        rng = torch.random.fork_rng(devices=[]) if self.real else contextlib.nullcontext()  # the user's RNG untouched
+        rng = _kept_random_state() if self.real else contextlib.nullcontext()  # the user's RNG untouched
         with self.mode, rng, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
             warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
             yield
 
-    def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None) -> None:
-        """Forward (the last gradients alive), ``zero_grad``, backward, update."""
+    def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None,
+             warm_up: bool = False, fill: bool = False) -> None:
+        """Forward (the last gradients alive), ``zero_grad``, backward, update (``fill``: of every parameter, those
+        this step's data left without a gradient given zeros; real tensors only)."""
         with _offload(self.plan, self.what_if, self.real):
             with self.autocast():
                 loss = loss_of(self.model, self.model.training_step(inputs, 0))
@@ -447,8 +463,29 @@ class _FakeStep:
             finally:
                 self.in_backward[0] = False
         del loss
+        if (warm_up or fill) and self.real:  # every parameter updated, as the fake path has it
+            self.fill_grads()
         for opt in self.optimizers:
             opt.step()
+
+    def fill_grads(self) -> None:
+        """Real tensors: zeros for the trainable parameters this step left without a gradient (an expert no token
+        was routed to), as the fake path has them: a run's steady state holds every parameter's gradient (the last
+        step's, during the forward) and optimizer state, whichever data each micro-batch routed where."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+
+@contextlib.contextmanager
+def _kept_random_state() -> Iterator[None]:
+    """torch's (and CUDA's), Python's and NumPy's random state as they were, whatever the real step draws."""
+    state = RNGState()
+    try:
+        yield
+    finally:
+        state.restore()
 
 
 class _ReadsValues(ValueError):
@@ -463,6 +500,7 @@ class _ReadsValues(ValueError):
 #: What torch's fake tensors raise at a value read (``.item()``) or an output whose shape depends on values
 #: (``nonzero``, boolean masks).
 _READS_VALUES = ("DataDependent", "DynamicOutputShape")
+_READ_CALLS = ("_local_scalar_dense", "numpy() is not supported")
 
 
 def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Traced:
@@ -477,14 +515,17 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Tr
         inputs, input_tensors = fake_batch(None if fake.real else fake.mode, part, device, fake.precision)
         try:
             if not fake.warm:
-                fake.step(inputs, zero_grad=True)  # the first step makes the gradients and the optimizer state
+                fake.step(inputs, zero_grad=True, warm_up=True)  # makes the gradients and the optimizer state
                 fake.warm = True
+            if fake.real:  # the last step's gradients, of every parameter (see fill_grads)
+                fake.fill_grads()
             tracker = step_tracker(cuda_rules=what_if)
             tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
-            with tracker:
-                fake.step(inputs, zero_grad=not accumulate,
+            with tracker:  # a small micro-batch standing in for a whole batch updates every parameter, as a large
+                # batch does (routing that leaves experts without tokens in 2 samples leaves none in 32)
+                fake.step(inputs, zero_grad=not accumulate, fill=not accumulate and micro < size,
                           before_backward=lambda: snapshots.append(tracker.next_phase()))
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except BaseException as error:
@@ -496,7 +537,7 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Tr
             where = "with real tensors on the host" if fake.real else "under FakeTensorMode"
             text = (f"cannot trace {type(traces.model).__name__}.training_step with plan [{plan.describe()}] {where} "
                     f"({detail})")
-            reads = any(k in type(error).__name__ for k in _READS_VALUES) or "_local_scalar_dense" in message
+            reads = any(k in type(error).__name__ for k in _READS_VALUES) or any(k in message for k in _READ_CALLS)
             if reads and not fake.real:
                 raise _ReadsValues(text, detail) from error
             raise ValueError(text) from error
@@ -505,11 +546,11 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Tr
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
     real = (f"{REAL_NOTE} {micro}",) if fake.real else ()
-    notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if what_if else ()) + _untraced(plan)
+    notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
     phases = []
     for backward, snapshot in enumerate(snapshots):
         estimate, update_temporaries = _estimate_from(
-            snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=what_if,
+            snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=traces.what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
         phases.append(_Phase(estimate, update_temporaries, bool(backward)))
