@@ -1,0 +1,177 @@
+"""Guarantees that bite: disable each named mechanism in turn and show that its test fails without it (issue 29).
+
+    python tests/mutation_check.py            # every mechanism (about 5 minutes on a 2-core CPU)
+    python tests/mutation_check.py --list     # the mechanisms and their tests
+    python tests/mutation_check.py --only rng-restored-on-replay fsdp2-unsharded-grads-cleared
+
+Each mutation replaces one exact snippet of the package's source (or appends code to a module), runs the tests that
+guard the mechanism with pytest in a fresh process, and puts the file back (also on Ctrl-C or an error). A mechanism
+is **caught** when its tests fail with it disabled; **MISSED** when they pass (the guarantee has no test that bites);
+**error** when they error instead (the mutation broke an import, not the mechanism); **stale** when its snippet is
+no longer in the source exactly once (update this file with the code). Exit status 0
+only when every mechanism is caught. It edits the working tree in place: run it on a clean checkout, and not beside
+another test run. CI does not run it (it would add minutes); ``tests/test_mutation_check.py`` keeps its snippets and
+test names current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Disable ``name``: in ``path``, ``original`` (exactly once) becomes ``mutated`` (``original`` empty: append
+    ``mutated``); ``tests`` (pytest node ids) must then fail."""
+
+    name: str
+    guarantee: str
+    path: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]
+
+
+ELASTIC = "tests/callbacks/test_elastic.py::"
+MUTATIONS = (
+    Mutation("update-snapshot-restored", "an OOM in an update that creates state replays exactly",
+             "autotune/_runtime/microbatch.py", "                self.snapshot.restore()\n", "                pass\n",
+             (ELASTIC + "test_a_later_update_that_creates_state_is_replayed_exactly",)),
+    Mutation("grad-scaler-steps-forgotten", "fp16's GradScaler is right after a replay",
+             "autotune/_runtime/microbatch.py",
+             "                forget_scaler_steps(scaler)  # forget unscale_/inf checks of the failed attempt\n",
+             "                pass\n", (ELASTIC + "test_fp16_grad_scaler_state_is_correct_after_replay",)),
+    Mutation("rng-restored-on-replay", "a replay draws the same random numbers (dropout): weights equal native",
+             "autotune/_runtime/microbatch.py",
+             "            rng.restore()\n            metrics.restore()\n            self._record(",
+             "            metrics.restore()\n            self._record(",
+             (ELASTIC + "test_oom_at_first_step_replays_and_matches_native_accumulation",)),
+    Mutation("metrics-restored-on-replay", "a replay does not count twice in torchmetrics",
+             "autotune/_runtime/microbatch.py",
+             "            rng.restore()\n            metrics.restore()\n            self._record(",
+             "            rng.restore()\n            self._record(",
+             (ELASTIC + "test_a_replay_does_not_count_twice_in_torchmetrics",)),
+    Mutation("steady-state-copies-nothing", "only updates that create state are copied to the host",
+             "autotune/_runtime/state.py", "    return any(not state.get(p) for p in update_parameters(optimizer))\n",
+             "    return True\n",
+             (ELASTIC + "test_only_updates_that_create_state_are_copied_and_steady_state_copies_nothing",)),
+    Mutation("fsdp2-unsharded-grads-cleared", "an OOM inside an FSDP2 unit's backward replays exactly",
+             "autotune/_runtime/drain.py", "            clear_fsdp_unsharded_grads(unit)\n", "            pass\n",
+             ("tests/callbacks/test_elastic_fsdp.py::"
+              "test_an_oom_inside_a_units_backward_after_some_of_its_gradients_is_replayed_exactly",)),
+    Mutation("shape-growth-capped", "a longer batch is never tried beyond twice what ran",
+             "autotune/_runtime/shapes.py", "            if load > self.growth * lo:\n", "            if False:\n",
+             ("tests/callbacks/test_elastic_shapes.py::"
+              "test_a_longer_batch_is_never_tried_beyond_twice_what_ran_under_any_possible_cost",)),
+    Mutation("private-api-only-in-compat", "only _compat.py reaches into private upstream API",
+             "autotune/_runtime/events.py", "",
+             "\n\ndef _peek(trainer):\n    return trainer.fit_loop._data_fetcher\n",
+             ("tests/test_layout.py::test_only_compat_reaches_into_private_upstream_api",)),
+    Mutation("offload-keeps-stochastic-rounding", "optimizer offload under bf16-true runs torchao's rounding update",
+             "autotune/_runtime/offload.py", '    own = getattr(optimizer, "update_constructor", None)\n',
+             "    own = None\n",
+             ("tests/callbacks/test_apply_plan.py::"
+              "test_optimizer_offload_under_bf16_true_keeps_the_stochastic_rounding",)),
+    Mutation("estimate-reads-values-fallback", "a step that reads tensor values is estimated (real tensors)",
+             "autotune/_estimate/trace.py", "                raise _ReadsValues(text, detail) from error\n",
+             "                raise ValueError(text) from error\n",
+             ("tests/test_estimate_reads_values.py::test_a_mixture_of_experts_with_data_dependent_routing_is_"
+              "estimated",)),
+    Mutation("estimate-keeps-user-rng", "the estimator's real path leaves the user's random state alone",
+             "autotune/_estimate/trace.py",
+             "        rng = _kept_random_state() if self.real else contextlib.nullcontext()",
+             "        rng = contextlib.nullcontext()",
+             ("tests/test_estimate_reads_values.py::"
+              "test_the_real_path_leaves_the_model_and_the_random_state_alone",)),
+    Mutation("estimate-every-parameter-updated", "the real path's answer does not depend on what was traced before",
+             "autotune/_estimate/trace.py",
+             "                if p.requires_grad and p.grad is None:\n                    p.grad = torch.zeros_like(p)\n",
+             "                if False:\n                    pass\n",
+             ("tests/test_estimate_reads_values.py::"
+              "test_routing_that_leaves_experts_idle_gives_the_same_answer_whatever_was_traced_before",)),
+    Mutation("estimate-line-as-the-step-runs", "the line from micro-batches 2 and 4 meets the direct trace",
+             "autotune/_estimate/trace.py", "        accumulate = micro < self.size\n        one, two",
+             "        accumulate = True\n        one, two",
+             ("tests/test_estimate_reads_values.py::test_larger_micro_batches_lie_on_the_line_of_two_smaller_ones",)),
+    Mutation("estimate-fits-settled-by-a-run", "autotune estimate's 'fits' agrees with a measured run near the budget",
+             "autotune/_cli/main.py", "SETTLE_BAND = 0.05\n", "SETTLE_BAND = -1.0\n",
+             ("tests/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
+    Mutation("search-estimates-the-largest-batch", "auto micro-batches hold for the longest batch of varying lengths",
+             "autotune/_search/rank.py", "self._batch, self.batch_sizes = longest_batch(self.target)",
+             "self._batch, self.batch_sizes = longest_batch(self.target, batches=1)",
+             ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
+)
+
+
+def check(m: Mutation) -> str | None:
+    """Why ``m`` cannot be applied (its snippet is not in its file exactly once), or None."""
+    path = ROOT / m.path
+    if not path.is_file():
+        return f"{m.path} does not exist"
+    if m.original and path.read_text().count(m.original) != 1:
+        return f"its snippet is in {m.path} {path.read_text().count(m.original)} times, not once"
+    for test in m.tests:
+        file, _, name = test.partition("::")
+        if not (ROOT / file).is_file() or f"def {name}(" not in (ROOT / file).read_text():
+            return f"test {test} does not exist"
+    return None
+
+
+def run(m: Mutation, timeout: float) -> tuple[str, float]:
+    """Apply ``m``, run its tests, restore the file: ``caught``, ``MISSED``, ``error``, ``stale`` or ``timed out``."""
+    if check(m) is not None:
+        return "stale", 0.0
+    path = ROOT / m.path
+    source = path.read_text()
+    path.write_text(source.replace(m.original, m.mutated, 1) if m.original else source + m.mutated)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        # a test failing (an assertion) catches it; an error (import, collection) is a broken mutation
+        status = "MISSED" if done.returncode == 0 else "caught" if " failed" in last and " error" not in last \
+            else "error"
+    except subprocess.TimeoutExpired:
+        status = "timed out"
+    finally:
+        path.write_text(source)
+    return status, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="print the mechanisms and their tests, run nothing")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mechanisms")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mechanism's tests (default 300)")
+    args = parser.parse_args(argv)
+    names = {m.name for m in MUTATIONS}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:
+        print(f"mutation_check: unknown mechanism {', '.join(unknown)}; known: {', '.join(sorted(names))}",
+              file=sys.stderr)
+        return 2
+    chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.guarantee}\n    {m.path}\n    " + "\n    ".join(m.tests))
+        return 0
+    results = []
+    for m in chosen:
+        status, seconds = run(m, args.timeout)
+        results.append(status)
+        print(f"{status:>9}  {seconds:5.1f} s  {m.name}: {m.guarantee}", flush=True)
+    caught = results.count("caught")
+    print(f"{caught} of {len(results)} mechanisms caught by their tests")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
