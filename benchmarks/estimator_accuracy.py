@@ -291,8 +291,9 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
 
 
 #: The classes of the repeated blocks of the models measured: what checkpointing wraps.
-#: (``nn.MultiheadAttention``: the six of Lightning's demo Transformer, the class ``find_blocks`` picks there.)
-BLOCKS: tuple[type[nn.Module], ...] = (Block, MLPBlock, ConvBlock, nn.MultiheadAttention, Experts)
+#: (Lightning's demo Transformer: its encoder and decoder layers, as ``find_blocks`` picks them.)
+BLOCKS: tuple[type[nn.Module], ...] = (Block, MLPBlock, ConvBlock, nn.TransformerEncoderLayer,
+                                       nn.TransformerDecoderLayer, Experts)
 
 
 def _blocks(model: nn.Module, share: float | tuple[str, ...]) -> list[nn.Module]:

@@ -21,7 +21,11 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     with the most instances wins, ties going to the class holding more parameters. Leaf layers (``nn.Linear`` and
     other modules without submodules) are not blocks. Where the model's layers declare their own checkpointing switch
     (a class-level ``gradient_checkpointing`` flag, as transformers' ``GradientCheckpointingLayer`` subclasses do),
-    only those classes are candidates: the model's authors' unit of recomputation.
+    only those classes are candidates: the model's authors' unit of recomputation. Else, where some classes are
+    *stacked* (their instances are the items of an ``nn.ModuleList`` or ``nn.Sequential``, as layers are), only
+    those are: ``torch.nn.Transformer``'s encoder and decoder layers, not the six attention modules inside them that
+    the count alone would pick; and the other stacked classes whose instances lie apart from the winner's join it
+    (the encoder's layers beside the decoder's).
 
     Example:
         >>> class Block(nn.Sequential): ...
@@ -31,7 +35,10 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     """
     by_class: dict[type, list[nn.Module]] = {}
     own: dict[type, list[nn.Module]] = {}  # layers that declare their own checkpointing switch
+    stacked: set[type] = set()  # classes with an instance that is an item of a ModuleList or Sequential
     for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            stacked.update(type(child) for child in module.children())
         if module is model or not any(True for _ in module.children()):
             continue
         if not any(True for _ in module.parameters()):
@@ -39,20 +46,33 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         by_class.setdefault(type(module), []).append(module)
         if isinstance(getattr(type(module), "gradient_checkpointing", None), bool):
             own.setdefault(type(module), []).append(module)
-    if any(len(modules) > 1 for modules in own.values()):
-        by_class = own  # the model's own checkpointing unit (transformers' GradientCheckpointingLayer: T5Block, not the
-        # six T5Attention modules that the count alone would pick)
-    best: list[nn.Module] = []
-    best_key = (1, 0)
-    for cls, modules in by_class.items():
-        inner = {id(m) for outer in modules for m in outer.modules() if m is not outer and isinstance(m, cls)}
-        top = [m for m in modules if id(m) not in inner]
+    candidates = {}
+    for cls, modules in (own if any(len(m) > 1 for m in own.values()) else by_class).items():
         if cls in (nn.Sequential, nn.ModuleList, nn.ModuleDict):
             continue  # containers are not blocks; the blocks are inside them
-        key = (len(top), sum(p.numel() for m in top for p in m.parameters()))
-        if key > best_key:
-            best, best_key = top, key
-    return best
+        inner = {id(m) for outer in modules for m in outer.modules() if m is not outer and isinstance(m, cls)}
+        top = [m for m in modules if id(m) not in inner]
+        if len(top) > 1:
+            candidates[cls] = top
+    if not own and any(cls in stacked for cls in candidates):
+        candidates = {cls: top for cls, top in candidates.items() if cls in stacked}
+    if not candidates:
+        return []
+    ranked = sorted(candidates, key=lambda c: (len(candidates[c]), sum(p.numel() for m in candidates[c]
+                                                                      for p in m.parameters())), reverse=True)
+    chosen = list(candidates[ranked[0]])
+    if not own:  # other stacked classes apart from the chosen blocks (neither inside nor around them) join them
+        for cls in ranked[1:]:
+            if cls in stacked and all(_apart(m, b) for m in candidates[cls] for b in chosen):
+                chosen += candidates[cls]
+        order = {id(m): i for i, m in enumerate(model.modules())}
+        chosen.sort(key=lambda m: order[id(m)])
+    return chosen
+
+
+def _apart(a: nn.Module, b: nn.Module) -> bool:
+    """Whether neither module is inside the other."""
+    return not any(m is b for m in a.modules()) and not any(m is a for m in b.modules())
 
 
 def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Module]:

@@ -87,6 +87,24 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     return total
 
 
+def test_find_blocks_takes_stacked_layers_over_the_modules_inside_them() -> None:
+    # torch.nn.Transformer: its encoder and decoder layers (items of ModuleLists), not the 8 attention modules inside
+    model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=64)
+    assert find_blocks(model) == [*model.encoder.layers, *model.decoder.layers]
+
+    class Layer(nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__(nn.Linear(8, 8), nn.ReLU())
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(Layer(), Layer(), Layer())
+
+    staged = nn.ModuleList([Stage(), Stage()])  # stacked at two levels: the finer, more numerous layers win alone
+    assert find_blocks(staged) == [layer for stage in staged for layer in stage.layers]
+
+
 def test_find_blocks_picks_the_repeated_blocks() -> None:
     model = Stack(depth=6)
     assert find_blocks(model) == list(model.blocks)
