@@ -85,8 +85,11 @@ def test_what_if_cuda_works_on_the_real_path(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["transformer", "gpt-4x128"])
 def test_larger_micro_batches_lie_on_the_line_of_two_smaller_ones(name: str) -> None:
+    # (not the demo Transformer with its layers checkpointed: its backward peaks at the update up to micro-batch 4
+    # and in the recompute beyond, so the line from 2 and 4 is 20% low there; docs/benchmarks.md)
     model, batch = bench.build(name)
-    for plan in (Plan(activation_checkpointing=1.0), Plan(micro_batch_size=8)):  # the whole batch; half of it
+    whole = Plan(activation_checkpointing=1.0) if name == "gpt-4x128" else Plan()
+    for plan in (whole, Plan(micro_batch_size=8)):  # the whole batch; half of it
         got = estimate(model=model, batch=batch, plan=plan, device="cpu", trace="line")
         direct = estimate(model=model, batch=batch, plan=plan, device="cpu", trace="real")
         micro = plan.micro_batch_size or 16
