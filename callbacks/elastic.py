@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,10 @@ class ElasticBatchSize(Callback):
         sample_size: a function of the (host) batch returning its size per sample (a positive number, e.g. the padded
             sequence length) for batches whose structure does not show it; by default the elements per sample of the
             batch's tensors whose first dimension is the batch size.
+        micro_batch_sample_size: the elements per sample (as ``sample_size`` counts them) at which ``micro_batch_size``
+            is known to fit, e.g. the longest batch a search measured (a tuned plan writes it where lengths vary): the
+            split starts from it, so shorter batches take larger micro-batches from the first step (at most twice the
+            load known to fit) and longer ones smaller. Needs ``micro_batch_size``.
         protect_update: make an OOM inside ``optimizer.step`` replayable. Updates that create optimizer state (the
             first one, parameters added or unfrozen later: the ones that allocate the most) are preceded by a host
             copy of the parameters and state they change, freed once the update succeeds; steady-state updates copy
@@ -84,8 +89,15 @@ class ElasticBatchSize(Callback):
         grow_after: int = 50,
         protect_update: bool = True,
         sample_size: Callable[[Any], float] | None = None,
+        micro_batch_sample_size: float | None = None,
     ) -> None:
         _check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
+        if micro_batch_sample_size is not None and (
+                isinstance(micro_batch_sample_size, bool) or not isinstance(micro_batch_sample_size, (int, float))
+                or not 0 < micro_batch_sample_size < math.inf or micro_batch_size is None):
+            raise ValueError("`micro_batch_sample_size` must be a positive number (the elements per sample at which "
+                             f"`micro_batch_size` fits) with `micro_batch_size` set, or None; got "
+                             f"{micro_batch_sample_size!r}")
         if sample_size is not None and not callable(sample_size):
             raise ValueError(f"`sample_size` must be a function of the batch returning its size per sample, or None; "
                              f"got {sample_size!r}")
@@ -102,6 +114,7 @@ class ElasticBatchSize(Callback):
         self.grow_after = grow_after
         self.protect_update = bool(protect_update)
         self.sample_size = sample_size
+        self.micro_batch_sample_size = None if micro_batch_sample_size is None else float(micro_batch_sample_size)
         self._state_key: tuple[tuple[Any, ...], str] | None = None
         self.engine: ElasticEngine | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -174,6 +187,7 @@ class ElasticBatchSize(Callback):
             log_fn=pl_module.log,
             sharded=isinstance(trainer.strategy, ModelParallelStrategy),
             sample_size=self.sample_size,
+            micro_batch_sample_size=self.micro_batch_sample_size,
         )
         self.engine.logs.owner = pl_module
         if self._pending_state is not None:

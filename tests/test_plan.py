@@ -205,3 +205,22 @@ def test_gpu_spaces_drop_fp8_and_low_bit_state_where_they_cannot_run(monkeypatch
     # of it would fail at fit: Adam and AdamW's bf16 updates need torchao's stochastic rounding
     assert ("optimizer_state='8bit' dropped: the torchao package is not installed "
             "(pip install 'lightning-autotune[torchao]')") in without.notes
+
+
+def test_a_plan_carries_the_sample_size_its_micro_batch_fits_at(tmp_path) -> None:
+    from autotune import load_plan
+    from autotune.callbacks import ElasticBatchSize
+
+    plan = Plan(micro_batch_size=8, micro_batch_sample_size=1537.0)
+    plan.save(tmp_path / "tuned.yaml")
+    text = (tmp_path / "tuned.yaml").read_text()
+    assert "micro_batch_sample_size: 1537.0  # elements per sample where micro_batch_size fits" in text
+    assert load_plan(tmp_path / "tuned.yaml") == plan
+    (elastic,) = [c for c in plan.callbacks() if isinstance(c, ElasticBatchSize)]
+    assert elastic.micro_batch_sample_size == 1537.0
+    assert "micro_batch_sample_size" not in Plan(micro_batch_size=8).elastic_kwargs()  # files as before
+    with pytest.raises(ValueError, match="micro_batch_sample_size is where micro_batch_size fits; it needs "
+                                         "micro_batch_size"):
+        Plan(micro_batch_sample_size=1537.0)
+    with pytest.raises(ValueError, match=r"micro_batch_sample_size must be a positive number or None; got 0"):
+        Plan(micro_batch_size=8, micro_batch_sample_size=0)

@@ -68,3 +68,14 @@ def test_the_search_says_when_batches_vary(tmp_path) -> None:
                            "each plan was estimated on the batch of the largest samples, so micro-batch 8 is "
                            "predicted to fit it")
     assert study.user_attrs["batch_sizes"] == {"batches": 32, "smallest": 48.0, "median": 60.0, "largest": 384.0}
+
+
+def test_the_tuned_plan_says_at_which_sample_size_its_micro_batch_fits() -> None:
+    from autotune._search.search import _at_largest_samples
+
+    sizes, plan = BatchSizes(32, 48.0, 60.0, 384.0), Plan(micro_batch_size=8)
+    assert _at_largest_samples(plan, sizes, 900, 1000).micro_batch_sample_size == 384.0  # predicted to fit there
+    assert _at_largest_samples(plan, sizes, 1100, 1000) == plan  # predicted over: no claim
+    assert _at_largest_samples(plan, sizes, None, 1000) == plan  # unestimated: none
+    assert _at_largest_samples(plan, BatchSizes(32, 96.0, 96.0, 96.0), 900, 1000) == plan  # one shape
+    assert _at_largest_samples(Plan(), sizes, 900, 1000) == Plan()  # the whole batch: nothing to start from

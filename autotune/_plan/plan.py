@@ -135,6 +135,9 @@ class Plan:
             there (FSDP2's ``CPUOffloadPolicy``; CUDA only).
         micro_batch_size: the micro-batch :class:`~autotune.callbacks.ElasticBatchSize` starts with (None: the
             whole batch).
+        micro_batch_sample_size: where batches vary in shape (dynamic padding), the elements per sample at which
+            ``micro_batch_size`` fits: the longest batch a search saw. ``ElasticBatchSize`` starts its split there,
+            so shorter batches take larger micro-batches from the first step (None: the first batch's).
         budget: the memory budget the run keeps (``"20GiB"``, ``0.8``, ``"auto"``; None: react to OOM only).
         activation_checkpointing: the fraction in [0, 1] of the model's repeated blocks to checkpoint, or the
             class names of the modules to checkpoint.
@@ -170,6 +173,7 @@ class Plan:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     micro_batch_size: int | None = None
+    micro_batch_sample_size: float | None = None
     budget: str | None = None
     activation_checkpointing: float | tuple[str, ...] = 0.0
     activation_offload: bool = False
@@ -289,13 +293,16 @@ class Plan:
 
     def elastic_kwargs(self) -> dict[str, Any]:
         """The ``ElasticBatchSize`` keyword arguments of this plan."""
-        return {"budget": self.budget, "micro_batch_size": self.micro_batch_size}
+        kwargs = {"budget": self.budget, "micro_batch_size": self.micro_batch_size}
+        if self.micro_batch_sample_size is not None:
+            kwargs["micro_batch_sample_size"] = self.micro_batch_sample_size
+        return kwargs
 
     def apply_kwargs(self) -> dict[str, Any]:
         """The ``ApplyPlan`` keyword arguments of this plan: the rest of its dict form, and its provenance."""
         data = self.to_dict()
         for name in ("format_version", "precision", "accumulate_grad_batches", "strategy", "devices",
-                     *self.elastic_kwargs()):
+                     "micro_batch_sample_size", *self.elastic_kwargs()):
             data.pop(name, None)
         return {**data, "provenance": self.provenance.as_dict()}
 
@@ -364,6 +371,11 @@ def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
     check("devices", lambda v: v is None or (_is_int(v) and v >= 1), "a positive int or None")
     check("reshard_after_forward", lambda v: isinstance(v, bool), "true or false")
     check("micro_batch_size", lambda v: v is None or (_is_int(v) and v >= 1), "a positive int or None")
+    check("micro_batch_sample_size", lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float))
+                                                             and 0 < v < math.inf), "a positive number or None")
+    if fields.get("micro_batch_sample_size") is not None and fields.get("micro_batch_size") is None:
+        problems.append(("micro_batch_sample_size", "micro_batch_sample_size is where micro_batch_size fits; it needs "
+                                                    "micro_batch_size"))
     if fields.get("budget") is not None:
         try:
             Budget.parse(fields["budget"])

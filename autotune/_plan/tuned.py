@@ -25,7 +25,7 @@ APPLY = "autotune.callbacks.ApplyPlan"
 TRAINER_SETTINGS = ("precision", "strategy", "devices")
 #: The class path a sharded plan's strategy is written with (``strategy: fsdp`` in the plan's dict form).
 MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
-ELASTIC_SETTINGS = ("budget", "micro_batch_size")
+ELASTIC_SETTINGS = ("budget", "micro_batch_size", "micro_batch_sample_size")
 _NAMESPACES = ("autotune.", "lightning.")
 
 _COMMENTS = {
@@ -37,6 +37,7 @@ _COMMENTS = {
     "cpu_offload": "fsdp: parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)",
     "budget": "memory cap of the run (hard on CUDA, soft on CPU)",
     "micro_batch_size": "samples per forward/backward; the effective batch is the dataloader's",
+    "micro_batch_sample_size": "elements per sample where micro_batch_size fits (longest batch seen): shorter take more",
     "activation_checkpointing": "share of repeated blocks recomputed in backward: less memory, more compute",
     "activation_offload": "keep saved activations on the host during backward: less device memory, more copies",
     "optimizer_offload": "optimizer state on the host, update on the CPU (torchao): less device memory, slower steps",

@@ -76,6 +76,7 @@ class ElasticEngine:
         log_fn: Callable[..., Any],
         sharded: bool = False,
         sample_size: Callable[[Any], float] | None = None,
+        micro_batch_sample_size: float | None = None,
     ) -> None:
         self.micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
@@ -95,6 +96,8 @@ class ElasticEngine:
         self.drain = CollectiveDrain() if sharded else None
         self.shapes = ShapeSplit(sample_size=sample_size, min_micro_batch_size=min_micro_batch_size,
                                  ranks_vote=self.agree.enabled)
+        if micro_batch_sample_size is not None and micro_batch_size is not None:
+            self.shapes.seed(micro_batch_size, micro_batch_sample_size)
         self.update_protected = False
         self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
         self._fingerprint: list[Any] | None = None

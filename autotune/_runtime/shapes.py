@@ -297,6 +297,12 @@ class ShapeSplit:
         self.size = 1.0  # this batch's sample size
         self.micro_chosen = 0
 
+    def seed(self, micro: int, size: float) -> None:
+        """``micro`` samples of ``size`` are known to fit (a tuned plan's micro-batch, measured on its longest
+        batch): the model starts from it, and a first batch of another size is split by shape from the start."""
+        self.model.fitted(micro, size)
+        self.first = size
+
     def start(self, batch: Any, n: int) -> None:
         """A batch of ``n`` samples begins: its sample size."""
         if self.sample_size_fn is not None:

@@ -204,6 +204,7 @@ def search(
                 trainer_settings=best.user_attrs.get("trainer_settings") or {},
             ),
         )
+        plan = _at_largest_samples(plan, runner.estimator.batch_sizes, runner.predict(plan), budget_bytes)
         if out_path is not None:
             plan.save(out_path, command=command)
         return SearchResult(plan=plan, study=the_study, trial_number=best.number,
@@ -408,6 +409,16 @@ class _Objective:
         plan = plan_from_params(trial.params, micro_batch_size=trial.user_attrs.get("micro_batch_size"),
                                 **sharded_devices(trial.params, self.devices))
         return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
+
+
+def _at_largest_samples(plan: Plan, sizes: BatchSizes | None, predicted: int | None, budget_bytes: int) -> Plan:
+    """Where batches vary in shape and ``plan``'s micro-batch is predicted to fit the batch of the largest samples
+    (the estimator's batch), the plan says so (``micro_batch_sample_size``): its run then starts shorter batches at
+    larger micro-batches."""
+    if sizes is None or not sizes.varies or plan.micro_batch_size is None or predicted is None \
+            or predicted > budget_bytes:
+        return plan
+    return plan.replace(micro_batch_sample_size=sizes.largest)
 
 
 def _shape_notes(study: Any, sizes: BatchSizes | None, plan: Plan) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -241,3 +242,59 @@ def test_the_shape_aware_step_waits_for_nothing_on_cuda() -> None:
         torch.cuda.set_sync_debug_mode(0)
     assert trainer.global_step == len(batches)
     assert elastic.engine is not None and elastic.engine.shapes.varies
+
+
+# ------------------------------------------------------------------------------- a tuned plan's sample size
+def _padded_batches() -> list[dict[str, torch.Tensor]]:
+    """Four batches of 16 samples padded to 8, 8, 32 and 8 tokens: the first is short."""
+    gen = torch.Generator().manual_seed(0)
+    return [{"ids": torch.randint(0, 50, (16, length), generator=gen), "y": torch.randn(16, generator=gen)}
+            for length in (8, 8, 32, 8)]
+
+
+class PaddedRegressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 1, dtype=torch.float64)
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(len(batch["y"]))
+        out = self.head(self.embed(batch["ids"]).mean(1)).squeeze(-1)
+        return torch.nn.functional.mse_loss(out, batch["y"].double())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _train(callbacks: list) -> PaddedRegressor:
+    model = PaddedRegressor()
+    L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=callbacks).fit(
+        model, torch.utils.data.DataLoader(_padded_batches(), batch_size=None))
+    return model
+
+
+def test_a_tuned_sample_size_starts_short_batches_at_larger_micro_batches_exactly() -> None:
+    native = _train([])
+    plain = _train([ElasticBatchSize(micro_batch_size=4, grow=False)])
+    # micro-batch 4 fits samples of 33 elements (32 tokens and a target): the short first batch (9 elements per
+    # sample) starts larger, the long one at 4 or more, never beyond twice the known load
+    seeded = _train([ElasticBatchSize(micro_batch_size=4, micro_batch_sample_size=33.0, grow=False)])
+    assert plain.seen[:4] == [4, 4, 4, 4]  # a fixed start: the first batch's size is all it knows
+    first = seeded.seen[: 16 // seeded.seen[0]]
+    assert seeded.seen[0] > 4 and sum(first) == 16
+    # plain learns the long batch from the short ones only: 16 micro-batches of 1 there ([4]*8, [1]*16, ...)
+    assert len(seeded.seen) < len(plain.seen) // 2
+    for model in (plain, seeded):
+        for p, q in zip(native.parameters(), model.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-12)
+
+
+def test_a_bad_micro_batch_sample_size_is_refused_with_the_value() -> None:
+    with pytest.raises(ValueError, match=r"`micro_batch_sample_size` must be a positive number .* got -1"):
+        ElasticBatchSize(micro_batch_size=4, micro_batch_sample_size=-1)
+    with pytest.raises(ValueError, match=r"with `micro_batch_size` set, or None; got 33"):
+        ElasticBatchSize(micro_batch_sample_size=33)
