@@ -31,6 +31,14 @@ def error(predicted: int, truth: int) -> float:
     return (predicted - truth) / truth
 
 
+@pytest.fixture
+def patient_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host takes as long as it needs to trace the asked micro-batch: on a loaded machine (CI) the 5 s rule would
+    send some of these to the line of two smaller ones, whose limits are measured apart (docs/benchmarks.md)."""
+    monkeypatch.setattr(real_path, "REAL_SECONDS", 1e9)
+
+
+@pytest.mark.usefixtures("patient_host")
 @pytest.mark.parametrize("plan", default_plans(), ids=lambda p: p.describe())
 def test_lightning_demo_transformer_is_estimated_on_every_default_plan(plan: Plan) -> None:
     # torch.nn.Transformer reads a value to tell whether its mask is causal; batches of 32 x 35 tokens
@@ -38,20 +46,18 @@ def test_lightning_demo_transformer_is_estimated_on_every_default_plan(plan: Pla
     with pytest.raises(ValueError, match=r"under FakeTensorMode \(DataDependentOutputException"):
         trace._trace(trace.Traces(model=model, batch=batch, plan=plan, device="cpu", optimizer=None), 32)
     got = estimate(model=model, batch=batch, plan=plan, device="cpu")
-    # traced at 32, or on the line of two smaller micro-batches where the host took too long (a loaded machine)
-    assert (got.method, got.notes[0]) in (("real", "the step reads tensor values: traced with real tensors on the "
-                                                   "host at micro 32"),
-                                          ("extrapolated", got.notes[0] if " extrapolated along their line to 32 "
-                                           in got.notes[0] else None))
+    assert got.method == "real" and got.notes[0] == ("the step reads tensor values: traced with real tensors on the "
+                                                     "host at micro 32")
     assert abs(error(got.predicted_peak_bytes, measured("transformer", plan, 32))) <= TOLERANCE
 
 
+@pytest.mark.usefixtures("patient_host")
 @pytest.mark.parametrize("plan", [Plan(micro_batch_size=4), Plan(precision="bf16-mixed", activation_checkpointing=1.0)],
                          ids=lambda p: p.describe())
 def test_a_mixture_of_experts_with_data_dependent_routing_is_estimated(plan: Plan) -> None:
     model, batch = bench.build("moe")  # nonzero() per expert: shapes known only from the router's values
     got = estimate(model=model, batch=batch, plan=plan, device="cpu")
-    assert got.method in ("real", "extrapolated")  # the latter where a loaded host took too long
+    assert got.method == "real"
     assert abs(error(got.predicted_peak_bytes, measured("moe", plan))) <= TOLERANCE
 
 

@@ -272,7 +272,7 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("kink", [0, 5])
 def test_auto_finds_the_largest_even_micro_batch_that_fits_with_few_traces(batch_size: int, per_sample: int,
                                                                            kink: int) -> None:
-    from autotune._estimate.trace import largest_fitting
+    from autotune._estimate.result import largest_fitting
     from autotune._search.rank import even_micro_batches
 
     traced: list[int] = []

@@ -20,7 +20,8 @@ from typing import Any
 
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.estimate import budget_in_bytes
-from autotune._estimate.trace import Estimate, Traces, estimate_device
+from autotune._estimate.result import Estimate, estimate_device
+from autotune._estimate.trace import Traces
 from autotune._plan.plan import Plan
 
 __all__ = ["CapacityRow", "estimate_capacity", "world_sizes"]

@@ -16,7 +16,8 @@ from autotune._device.budget import Budget, BudgetSpec
 from autotune._device.probe import DeviceSpec, probe_memory
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
 from autotune._estimate.fake_step import OptimizerFactory
-from autotune._estimate.trace import Estimate, Traces, estimate_device
+from autotune._estimate.result import Estimate, estimate_device
+from autotune._estimate.trace import Traces
 from autotune._plan.plan import Plan
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """The estimator's real-tensor path, for steps that read tensor values (see :meth:`autotune._estimate.trace.Traces`):
 how much of the host it may take, the line through two traced micro-batches, and activation offload with data.
 
-A traced micro-batch here is any object with ``phases`` (each with ``estimate``, an
-:class:`~autotune._estimate.trace.Estimate`, ``update_temporaries`` and ``backward``), as the trace module keeps them.
+A traced micro-batch here is a :class:`~autotune._estimate.result.Traced` (its ``phases``, each with ``estimate``,
+``update_temporaries`` and ``backward``).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -44,8 +43,7 @@ from torch import nn
 from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
 from autotune._runtime.batch import batch_size_of, slice_batch
-from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
-from autotune._estimate.sharding import cast_unit_inputs, rank_state
+from autotune._estimate.sharding import cast_unit_inputs
 from autotune._estimate import real_path
 from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, peak_of, to_bytes
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
@@ -66,100 +64,19 @@ from autotune._estimate.fake_step import (
 from autotune._runtime.offload import device_part, is_offloaded
 from autotune._runtime.state import RNGState
 from autotune._plan.plan import Plan
-from autotune._device.probe import DeviceSpec, resolve_device
+from autotune._device.probe import DeviceSpec
+from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 
-__all__ = ["Estimate", "Traces", "estimate_device"]
+__all__ = ["Traces"]
 
 log = logging.getLogger(__name__)
 
 _TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "overhead")
 
-
-@dataclass(frozen=True, kw_only=True)
-class Estimate:
-    """The predicted peak memory of one training step with a plan on one micro-batch, and what it is made of.
-
-    The six ``*_bytes`` categories are taken at the moment of the peak and add up to ``predicted_peak_bytes``.
-
-    Attributes:
-        plan: The plan traced, its ``micro_batch_size`` set to the micro-batch traced.
-        micro_batch_size: Samples in the traced micro-batch (one rank's).
-        device: The device estimated for (``"cpu"``, ``"cuda:0"``).
-        world_size: The ranks the plan runs on; the figures are one rank's (see :mod:`autotune._estimate.sharding`).
-        gathered_bytes: Under ``strategy="fsdp"``, the part of the parameter and gradient bytes that is gathered
-            units (not model state): the rest of those two and the optimizer state are this rank's shards.
-        parameters_bytes: Parameters and buffers.
-        gradients_bytes: Gradients alive at the peak (this step's, or the previous step's during the forward).
-        optimizer_state_bytes: The optimizer's state (Adam's moments, momentum buffers).
-        activations_bytes: Tensors made in the forward and still alive (mostly saved for backward), and the batch.
-        temporaries_bytes: Other tensors made in the backward and the update, and kernels' work buffers.
-        overhead_bytes: What the runtime holds besides tensors and counts in its peak (see the module notes).
-        predicted_peak_bytes: The peak: the sum of the six categories.
-        host_bytes: Host memory the step uses at most for a CUDA device (offloaded activations, and the copies and
-            optimizer state of ``optimizer_offload``); 0 on the CPU.
-        model_state_bytes: The rank's model state through the step (weights, all gradients, optimizer state; not the
-            gathered units), whatever of it is alive at the peak.
-        context_bytes: On CUDA, device memory the process holds outside the caching allocator (the CUDA context,
-            :data:`autotune._estimate.cuda_rules.CUDA_CONTEXT_BYTES`): not in the peak, which is what
-            ``max_memory_allocated`` reports, but not free for it either; 0 on the CPU.
-        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each; for
-            a ``method`` other than ``"fake"``, the first says how it was traced and how close to a line the peak was.
-        method: How the step was traced: ``"fake"`` (tensors without data, at this micro-batch), ``"real"`` (real
-            tensors on the host, at this micro-batch: the step reads tensor values) or ``"extrapolated"`` (real
-            tensors at two small micro-batches, the line through them taken to this one).
-
-    Example:
-        >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
-        >>> e.fits(8 * 2**30), sum(e.breakdown().values()) == e.predicted_peak_bytes  # doctest: +SKIP
-        (True, True)
-    """
-
-    plan: Plan
-    micro_batch_size: int
-    device: str
-    parameters_bytes: int
-    gradients_bytes: int
-    optimizer_state_bytes: int
-    activations_bytes: int
-    temporaries_bytes: int
-    overhead_bytes: int
-    predicted_peak_bytes: int
-    host_bytes: int = 0
-    notes: tuple[str, ...] = ()
-    world_size: int = 1
-    gathered_bytes: int = 0
-    context_bytes: int = 0
-    model_state_bytes: int = 0
-    method: str = "fake"
-
-    def fits(self, budget_bytes: int) -> bool:
-        """Whether the predicted peak is at most ``budget_bytes``."""
-        return self.predicted_peak_bytes <= budget_bytes
-
-    def breakdown(self) -> dict[str, int]:
-        """The six categories (``"parameters"`` ... ``"overhead"``) in bytes; they add up to the peak."""
-        return {name: getattr(self, f"{name}_bytes") for name in _CATEGORIES}
-
-
-def estimate_device(device: DeviceSpec) -> tuple[torch.device, bool]:
-    """The device to estimate for, and whether it is what-if (a CUDA device on a machine without CUDA); ValueError
-    for a spec that is not a device (see :func:`autotune._device.probe.resolve_device`)."""
-    if not torch.cuda.is_available() and not isinstance(device, bool):
-        if isinstance(device, int) and device >= 0:
-            return torch.device("cuda", device), True
-        if isinstance(device, (str, torch.device)):
-            try:
-                parsed = torch.device(device)
-            except RuntimeError:
-                parsed = None
-            if parsed is not None and parsed.type == "cuda":
-                return torch.device("cuda", parsed.index or 0), True
-    return resolve_device(device), False
 
 
 # ---------------------------------------------------------------------------------------------------------- tracing
@@ -186,9 +103,9 @@ class Traces:
             raise ValueError("optimizer_offload moves optimizer state from a CUDA GPU to the host; estimate it for a "
                              "CUDA device on a machine that has one, or set optimizer_offload=False")
         self.world_size = _world_size(world_size, plan)
-        self._done: dict[int, _Traced] = {}
+        self._done: dict[int, Traced] = {}
         self._fake: _FakeStep | None = None
-        self._real_done: dict[tuple[int, bool], _Traced] = {}  # real traces by (micro-batch, accumulating)
+        self._real_done: dict[tuple[int, bool], Traced] = {}  # real traces by (micro-batch, accumulating)
         self._seconds: dict[tuple[int, bool], float] = {}  # and the host time each took
         self.real = trace != "auto"  # traced with real tensors on the host (the step reads tensor values, or asked)
         self.how = trace  # "real": at the micro-batch asked; "line": beyond 4, on the line through 2 and 4
@@ -215,7 +132,7 @@ class Traces:
             self._done[micro] = self._traced(micro)
         return self._done[micro].over(world, self.plan)
 
-    def _traced(self, micro: int) -> _Traced:
+    def _traced(self, micro: int) -> Traced:
         """``micro`` traced with fake tensors; for a step that reads tensor values, with real ones on the host: at
         ``micro`` itself up to 4 or where the host runs it within ``REAL_SECONDS`` and ``REAL_HOST_SHARE`` of its free
         memory (judged from micro-batches 1 and 2), else along the line through the two largest powers of two it can
@@ -247,7 +164,7 @@ class Traces:
         return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
                              check=(b // 4, self._real(b // 4, accumulate)))
 
-    def _real(self, micro: int, accumulate: bool | None = None) -> _Traced:
+    def _real(self, micro: int, accumulate: bool | None = None) -> Traced:
         """``micro`` traced with real tensors (``accumulate``: as a later micro-batch of a cut batch; None: as
         ``micro`` runs), kept."""
         key = (micro, micro < self.size if accumulate is None else accumulate)
@@ -288,96 +205,6 @@ class Traces:
         """The largest micro-batch (1..size) whose peak fits, for a peak growing with it (:func:`largest_fitting`)."""
         return largest_fitting(range(1, self.size + 1),
                                lambda m: self.at(m, world_size).predicted_peak_bytes, budget_bytes)
-
-
-def largest_fitting(sizes: Sequence[int], peak: Callable[[int], int], budget_bytes: int) -> int | None:
-    """The largest of ``sizes`` (ascending) whose ``peak`` fits ``budget_bytes``, or None, for a peak that grows with
-    the size; each size's peak is asked for once at most. The largest size first, then the smallest; then a guess on
-    the line through the two nearest sizes asked and its neighbour (where the peak is a line, these two settle it),
-    alternating with halving where they did not halve the interval."""
-    known: dict[int, int] = {}
-
-    def at(i: int) -> int:
-        if i not in known:
-            known[i] = peak(sizes[i])
-        return known[i]
-
-    lo, hi = 0, len(sizes) - 1  # indices: lo fits, hi does not
-    if at(hi) <= budget_bytes:
-        return sizes[hi]
-    if at(lo) > budget_bytes:
-        return None
-    bisect = False
-    while hi - lo > 1:
-        width = hi - lo
-        slope = (at(hi) - at(lo)) / (sizes[hi] - sizes[lo])
-        if bisect or slope <= 0:
-            guess = (lo + hi) // 2
-        else:  # the largest size at or below the line's crossing of the budget
-            crossing = sizes[lo] + (budget_bytes - at(lo)) / slope
-            guess = max((i for i in range(lo + 1, hi) if sizes[i] <= crossing), default=lo + 1)
-        lo, hi, beside = (guess, hi, guess + 1) if at(guess) <= budget_bytes else (lo, guess, guess - 1)
-        if not bisect and lo < beside < hi:
-            lo, hi = (beside, hi) if at(beside) <= budget_bytes else (lo, beside)
-        bisect = not bisect and hi - lo > width // 2
-    return sizes[lo]
-
-
-@dataclass(frozen=True)
-class _Phase:
-    """The peak of one phase of the traced step: the forward (the last gradients alive), or the backward and
-    update (after ``zero_grad``)."""
-
-    estimate: Estimate  # one rank alone: the whole model state, no DDP buffers
-    update_temporaries: int  # of temporaries: the update's, made per state tensor (sharded with it)
-    backward: bool
-
-
-@dataclass(frozen=True)
-class _Traced:
-    """One traced micro-batch: the peak of each phase on one rank, and what the ranks change (``over``)."""
-
-    phases: tuple[_Phase, ...]
-    gradient_bytes: int  # of the trained parameters (DDP's buckets)
-    model: Any  # the fake model and optimizers, for the shards' closed form
-    optimizers: list[Any]
-    master_dtype: torch.dtype | None
-
-    def over(self, world_size: int, plan: Plan) -> Estimate:
-        """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging
-        buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`), at
-        the higher of the two phases' peaks (sharding moves state between them: the last step's gradient shards in
-        the forward, one unit's unsharded gradient in the backward)."""
-        sharded, shards = None, 0
-        if plan.strategy == "fsdp":
-            sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,
-                                 reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
-            # all the shards, whatever of them a phase's peak holds
-            shards = sharded.parameters + sharded.gradients + sharded.optimizer_state - sharded.gathered + sharded.host
-        estimates = []
-        for phase in self.phases:
-            e = phase.estimate
-            if sharded is None:
-                replicated = plan.strategy == "ddp" or world_size > 1
-                extra = self.gradient_bytes + min(self.gradient_bytes, 2 * GRADIENT_BUCKET_BYTES) if replicated else 0
-                state_bytes = e.parameters_bytes + self.gradient_bytes + e.optimizer_state_bytes
-                estimates.append(dataclasses.replace(e, overhead_bytes=e.overhead_bytes + extra,
-                                                     model_state_bytes=state_bytes,
-                                                     predicted_peak_bytes=e.predicted_peak_bytes + extra,
-                                                     world_size=world_size))
-                continue
-            state = sharded.at_peak(traced_gradients=e.gradients_bytes, whole_gradients=self.gradient_bytes,
-                                    backward=phase.backward)
-            parts = {"parameters_bytes": state.parameters, "gradients_bytes": state.gradients,
-                     "optimizer_state_bytes": state.optimizer_state,  # each rank updates its shards only
-                     "temporaries_bytes": e.temporaries_bytes - phase.update_temporaries
-                     + phase.update_temporaries // world_size}
-            peak = e.predicted_peak_bytes + sum(v - getattr(e, k) for k, v in parts.items())
-            estimates.append(dataclasses.replace(e, **parts, predicted_peak_bytes=peak, gathered_bytes=state.gathered,
-                                                 host_bytes=e.host_bytes + state.host, world_size=world_size,
-                                                 model_state_bytes=shards))
-        top = max(estimates, key=lambda e: e.predicted_peak_bytes)
-        return dataclasses.replace(top, host_bytes=max(e.host_bytes for e in estimates))
 
 
 class _FakeStep:
@@ -503,7 +330,7 @@ _READS_VALUES = ("DataDependent", "DynamicOutputShape")
 _READ_CALLS = ("_local_scalar_dense", "numpy() is not supported")
 
 
-def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Traced:
+def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Traced:
     """One step at ``micro`` samples; ``accumulate``: adding to the gradients of an earlier micro-batch (None: when
     ``micro`` cuts the batch)."""
     fake = traces.fake_step()
@@ -553,8 +380,8 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> _Tr
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=traces.what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
-        phases.append(_Phase(estimate, update_temporaries, bool(backward)))
-    return _Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
+        phases.append(Phase(estimate, update_temporaries, bool(backward)))
+    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "

@@ -313,7 +313,7 @@ class SearchEstimator:
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit, evened out (:func:`even_micro_batches`); 1 when none is, the
         whole batch when the estimator fails."""
-        from autotune._estimate.trace import largest_fitting
+        from autotune._estimate.result import largest_fitting
 
         self.baseline_for(plan)  # calibrates from the shape's measurements kept until now, before tracing
         key = _shape(plan).key()
