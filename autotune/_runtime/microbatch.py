@@ -173,7 +173,6 @@ class ElasticEngine:
             self.phase = "closure"
             self.logs.start()
             failed_in = ""
-            cause: BaseException | None = None
             try:
                 result = step(self._multi_closure(closure, module, parallel_model, optimizer))
             except BaseException as exc:
@@ -188,7 +187,6 @@ class ElasticEngine:
                 next_micro = self._shrink(micro, n, peer=isinstance(exc, PeerOutOfMemory))
                 if next_micro is None or getattr(exc, "fatal", False):
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
-                cause = exc
             else:
                 if self.agree.enabled and self.update_protected and self.agree.any(False):
                     failed_in = "update"  # a peer failed in its protected update: undo ours too
@@ -198,7 +196,6 @@ class ElasticEngine:
             if not failed_in:
                 break
             # Recover outside the except block: its traceback holds the frames of the failed attempt.
-            del cause
             if self.drain is not None:
                 self.drain.reset(optimizer)  # FSDP2's iteration state and unsharded gradients, on every rank
             optimizer.zero_grad(set_to_none=True)
