@@ -88,9 +88,10 @@ def estimate(
 
     Nothing runs on the device and ``model`` is not touched: a copy without data is traced. A step that reads tensor
     values (``.item()``, a mask checked with ``.all()``, data-dependent routing) cannot be traced without data: a
-    copy with real weights then runs on the host at micro-batches 1, 2 and 4, and larger micro-batches lie on the
-    line through the last two (``Estimate.method`` and the first of ``Estimate.notes`` say which, and how far micro
-    1 lies off that line). CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on either path.
+    copy with real weights then runs on the host, at the micro-batch asked where the host runs it within 5 s and half
+    its free memory, else along the line through two smaller powers of two (``Estimate.method`` and the first of
+    ``Estimate.notes`` say which, and how far a third micro-batch lies off that line). CUDA's rules (allocator
+    rounding, workspaces, autocast op lists) apply on either path.
 
     Args:
         model: The LightningModule (automatic optimization).

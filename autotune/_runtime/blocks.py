@@ -46,22 +46,23 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         by_class.setdefault(type(module), []).append(module)
         if isinstance(getattr(type(module), "gradient_checkpointing", None), bool):
             own.setdefault(type(module), []).append(module)
+    authors = any(len(m) > 1 for m in own.values())  # the model's own unit of recomputation decides
     candidates = {}
-    for cls, modules in (own if any(len(m) > 1 for m in own.values()) else by_class).items():
+    for cls, modules in (own if authors else by_class).items():
         if cls in (nn.Sequential, nn.ModuleList, nn.ModuleDict):
             continue  # containers are not blocks; the blocks are inside them
         inner = {id(m) for outer in modules for m in outer.modules() if m is not outer and isinstance(m, cls)}
         top = [m for m in modules if id(m) not in inner]
         if len(top) > 1:
             candidates[cls] = top
-    if not own and any(cls in stacked for cls in candidates):
+    if not authors and any(cls in stacked for cls in candidates):
         candidates = {cls: top for cls, top in candidates.items() if cls in stacked}
     if not candidates:
         return []
     ranked = sorted(candidates, key=lambda c: (len(candidates[c]), sum(p.numel() for m in candidates[c]
                                                                       for p in m.parameters())), reverse=True)
     chosen = list(candidates[ranked[0]])
-    if not own:  # other stacked classes apart from the chosen blocks (neither inside nor around them) join them
+    if not authors:  # other stacked classes apart from the chosen blocks (neither inside nor around them) join them
         for cls in ranked[1:]:
             if cls in stacked and all(_apart(m, b) for m in candidates[cls] for b in chosen):
                 chosen += candidates[cls]
