@@ -123,6 +123,14 @@ class ApplyPlan(Callback):
         if plan.activation_checkpointing:
             self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
             self._undo.append(checkpoint_blocks(self.checkpointed, model=pl_module))
+            own = [b for b in self.checkpointed if getattr(b, "gradient_checkpointing", False) is True]
+            if not self.checkpointed:
+                rank_zero_warn(f"ApplyPlan: activation_checkpointing={plan.activation_checkpointing} found no repeated "
+                               f"blocks in {type(pl_module).__name__}; nothing is checkpointed (name the classes to "
+                               "checkpoint instead: activation_checkpointing: [ClassName, ...])")
+            elif own:
+                rank_zero_info(f"ApplyPlan: {len(own)} {type(own[0]).__name__} block(s) checkpoint themselves (the "
+                               "model's gradient_checkpointing_enable()); they are left to it, not checkpointed twice")
             log.info("autotune: checkpointing %d block(s) of %s", len(self.checkpointed),
                      type(self.checkpointed[0]).__name__ if self.checkpointed else "-")
         if plan.compile:

@@ -1,13 +1,15 @@
 """Work buffers that kernels allocate and free inside one call, unseen by any dispatch mode: derived where the rule
 is known, measured once per machine where it is not.
 
-- CPU convolutions in fp32 follow a rule measured with the profiler (:func:`cpu_conv_workspace`).
-- CPU matrix products and convolutions in bf16 or fp16 run through oneDNN, whose buffers (weights reordered for the
-  ISA, AMX tile layouts, per-thread scratchpads) depend on the processor's instruction set and the thread count:
-  none is derived. Each distinct call (op, shapes, dtypes) is run once on uninitialised tensors of the traced
-  shapes, on this machine, and the bytes it held above its inputs and outputs are kept for the process
-  (:func:`measured_workspace`). Calls with operands above ``CALIBRATE_MAX_BYTES`` are not run: they count no
-  workspace, and the estimate says so.
+- CPU convolutions in the im2col kernel (``Slow2d``) follow a rule measured with the profiler
+  (:func:`cpu_conv_workspace`).
+- CPU convolutions in oneDNN (any dtype), and matrix products in bf16 or fp16 (oneDNN too), hold buffers (weights
+  reordered for the ISA, AMX tile layouts, per-thread scratchpads; a channels-last depthwise backward's
+  accumulators) that depend on the processor's instruction set, the layout and the thread count: none is derived.
+  Each distinct call (op, shapes, strides, dtypes) is run once on uninitialised tensors of the traced shapes, on
+  this machine, and the bytes it held above its inputs and outputs are kept for the process
+  (:func:`measured_workspace`). Calls with operands above ``CALIBRATE_MAX_BYTES`` are not run: they count what the
+  rule knows (convolutions) or nothing (matrix products), and the estimate says so.
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ class Workspace:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not self.cpu_kernels or not tensors or tensors[0].device.type != "cpu":
             return 0
-        if any(t.dtype in _LOW_PRECISION for t in tensors) and func in _calibrated_ops():
+        if func in _calibrated_ops() and (any(t.dtype in _LOW_PRECISION for t in tensors) or _onednn_conv(func, args)):
             key = _key(func, args, kwargs)
             if sum(t.numel() * t.element_size() for t in tensors) > CALIBRATE_MAX_BYTES:
                 self.skipped_calls.add(key)
-                return 0
+                return cpu_conv_workspace(func, args, out)  # the part of the buffers a rule knows
             self.measured_calls.add(key)
             if key not in _MEASURED:
                 _MEASURED[key] = measured_workspace(func, args, kwargs)
@@ -60,13 +62,26 @@ class Workspace:
     def notes(self) -> tuple[str, ...]:
         notes = []
         if self.measured_calls:
-            notes.append(f"CPU kernel work buffers of {len(self.measured_calls)} bf16/fp16 matrix product or "
-                         f"convolution call(s) measured on this machine (oneDNN; they depend on its instruction set "
-                         f"and {torch.get_num_threads()} thread(s))")
+            notes.append(f"CPU kernel work buffers of {len(self.measured_calls)} oneDNN call(s) (convolutions, bf16/fp16 "
+                         f"matrix products) measured on this machine (they depend on its instruction set and "
+                         f"{torch.get_num_threads()} thread(s))")
         if self.skipped_calls:
-            notes.append(f"{len(self.skipped_calls)} bf16/fp16 call(s) too large to measure count no kernel work "
-                         "buffers: the peak may be a little higher")
+            notes.append(f"{len(self.skipped_calls)} oneDNN call(s) too large to measure count only the work buffers "
+                         "a rule knows: the peak may be a little higher")
         return tuple(notes)
+
+
+def _onednn_conv(func: Any, args: Sequence[Any]) -> bool:
+    """Whether a CPU convolution (forward or backward) runs in oneDNN, whose scratchpads depend on the kernel it
+    picks for the ISA and layout (a channels-last 7x7 depthwise backward holds about 50 KiB per channel here)."""
+    from autotune._compat import conv_backend_name
+
+    aten = torch.ops.aten
+    if func is aten.convolution.default:
+        return conv_backend_name(args[0], args[1], args[3:9]) == "Mkldnn"
+    if func is aten.convolution_backward.default:
+        return conv_backend_name(args[1], args[2], args[4:10]) == "Mkldnn"
+    return False
 
 
 def _key(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> tuple[Any, ...]:
