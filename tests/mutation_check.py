@@ -107,6 +107,16 @@ MUTATIONS = (
              "autotune/_search/rank.py", "self._batch, self.batch_sizes = longest_batch(self.target)",
              "self._batch, self.batch_sizes = longest_batch(self.target, batches=1)",
              ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
+    Mutation("soft-budget-peak-rides-on-the-vote", "a soft budget under DDP/FSDP2 adds no collective per step",
+             "autotune/_runtime/microbatch.py",
+             "        deferred = soft and not grow_due and self.agree.enabled and not shapes.agreed\n",
+             "        deferred = False\n",
+             ("tests/callbacks/test_elastic_ddp.py::test_a_soft_budget_under_ddp_adds_no_collective_and_ranks_shrink_alike",
+              "tests/callbacks/test_elastic_fsdp.py::test_a_soft_budget_under_fsdp2_adds_no_collective_and_ranks_shrink_"
+              "alike")),
+    Mutation("oneDNN-conv-buffers-measured", "a CPU estimate counts the buffers oneDNN convolutions hold (ConvNeXt)",
+             "autotune/_estimate/workspace.py", " or _onednn_conv(func, args))", ")",
+             ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy[convnext-none]",)),
 )
 
 
@@ -119,6 +129,7 @@ def check(m: Mutation) -> str | None:
         return f"its snippet is in {m.path} {path.read_text().count(m.original)} times, not once"
     for test in m.tests:
         file, _, name = test.partition("::")
+        name = name.partition("[")[0]  # a parametrized case: its function
         if not (ROOT / file).is_file() or f"def {name}(" not in (ROOT / file).read_text():
             return f"test {test} does not exist"
     return None

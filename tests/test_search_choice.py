@@ -54,13 +54,17 @@ class _Clock:
         self.now += self.durations.pop(0)
 
 
-def _meter_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, durations: list[float], **spec: Any) -> Any:
-    """Feed a meter steps of the given durations as Lightning would; returns it after the trainer stops."""
+def _meter_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, durations: list[float], peaks: Any = None,
+               **spec: Any) -> Any:
+    """Feed a meter steps of the given durations (and step ``peaks``) as Lightning would; returns it after the
+    trainer stops."""
     clock = _Clock(durations)
     monkeypatch.setattr(meter_module, "time", clock)
     base = {"target": "t.py:make", "config": None, "plan": {}, "budget": None, "device": "cpu", "warmup": 1}
     meter = meter_module.make_meter(spec=TrialSpec(**{**base, **spec}), batch_size=10, tokens_per_sample=None,
                                     launched=0.0, out=str(tmp_path / "r.json"))
+    if peaks is not None:
+        meter.memory = SimpleNamespace(peak=iter(peaks).__next__)
     strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)  # one process: its own decisions
     trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=strategy)
     module = SimpleNamespace(device=torch.device("cpu"))
@@ -129,15 +133,17 @@ def test_a_run_at_half_the_bar_stops_while_warming_up(monkeypatch: pytest.Monkey
 # ------------------------------------------------------------------------------------------------ choosing
 
 
-def _study(rows: list[tuple[str, float, float, int, str]]) -> Any:
-    """An in-memory study of measured trials: (plan, samples/s, half-width, peak, status)."""
+def _study(rows: list[tuple[str, float, float, int, str]], noise: dict[str, int] | None = None) -> Any:
+    """An in-memory study of measured trials: (plan, samples/s, half-width, peak, status); ``noise``: plan -> how
+    much its steps' peaks varied."""
     study = optuna.create_study(direction="maximize")
     for plan, rate, half, peak, status in rows:
         study.add_trial(optuna.trial.create_trial(
             params={"p": plan}, distributions={"p": CategoricalDistribution([r[0] for r in rows])}, value=rate,
             state=TrialState.COMPLETE,
             user_attrs={"plan": plan, "plan_key": plan, "status": status, "source": "measured",
-                        "samples_per_second": rate, "interval": [rate - half, rate + half], "peak_bytes": peak}))
+                        "samples_per_second": rate, "interval": [rate - half, rate + half], "peak_bytes": peak,
+                        **({"peak_noise_bytes": (noise or {})[plan]} if plan in (noise or {}) else {})}))
     return study
 
 
@@ -183,6 +189,25 @@ def test_a_plan_over_the_budget_in_a_second_run_is_not_chosen() -> None:
             "b": {"status": "ok", "samples_per_second": 99.0, "interval": [93.0, 105.0], "peak_bytes": 10}}
     best = choose(study, 20, lambda trial: runs[trial.user_attrs["plan"]])
     assert best.plan == "b"
+
+
+def test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen() -> None:
+    # Its steps' peaks varied by 2 and it peaked 1 under the budget: the next run may be over (issue 29, finding 7)
+    study = _study([("edge", 200.0, 4.0, 19, "ok"), ("safe", 100.0, 4.0, 10, "ok")], noise={"edge": 2, "safe": 2})
+    assert choose(study, 20, lambda trial: pytest.fail("nothing overlaps")).plan == "safe"
+    assert [f.plan for f in figures(study, 21)] == ["edge", "safe"]  # with room for its noise it is the best
+    # runs of a plan that scatter are noise too: 16 then 19, under a budget of 20 (3 of spread)
+    spread = _study([("edge", 200.0, 4.0, 16, "ok"), ("safe", 100.0, 4.0, 10, "ok")])
+    assert [f.plan for f in figures(spread, 20)] == ["edge", "safe"]
+    spread.set_user_attr(REMEASURED, {"0": [{"status": "ok", "samples_per_second": 199.0, "interval": [195, 203],
+                                             "peak_bytes": 19}]})
+    assert [f.plan for f in figures(spread, 20)] == ["safe"] and [f.plan for f in figures(spread, 22)] == ["edge", "safe"]
+
+
+def test_a_trial_reports_how_much_its_steps_peaks_varied(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    meter = _meter_run(monkeypatch, tmp_path, [1.0] * 8, peaks=iter([900, 100, 103, 101, 104, 102, 100, 101]),
+                       steps=5)
+    assert meter.result().peak_noise_bytes == 4  # the first step (optimizer state, warm-up) is not noise
 
 
 def test_no_feasible_plan_chooses_nothing() -> None:

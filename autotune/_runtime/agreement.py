@@ -53,11 +53,12 @@ class Agreement:
         return t.tolist()
 
     def vote(self, params: list[torch.nn.Parameter], *, failed: int, batch_size: int,
-             shaped: bool) -> tuple[int, bool, list[bool], bool]:
+             shaped: bool, peak: int = 0) -> tuple[int, bool, list[bool], bool, int]:
         """The step's one agreement, before any gradient collective: the worst ``failed`` of the ranks (0: none ran out
         of memory, 1: one did, 2: one did at its minimum micro-batch),
         whether every rank had a batch of ``batch_size`` samples, which parameters got a gradient on some rank, and
-        whether any rank is ``shaped`` (its batches' sample sizes vary: it splits by its own shape).
+        whether any rank is ``shaped`` (its batches' sample sizes vary: it splits by its own shape), and the largest
+        ``peak`` (the last step's, which a soft budget checks one step late rather than in a collective of its own).
 
         Gradients of parameters that were reduced last step but have none here are made zeros before the vote, and
         the bucket buffers sized, so the usual step allocates nothing after it; an OOM doing so is this rank's
@@ -74,16 +75,17 @@ class Agreement:
                 if not is_oom_error(exc):
                     raise
                 failed = max(failed, 1)
-        values = [float(failed), float(batch_size), float(-batch_size), float(shaped),
+        values = [float(failed), float(batch_size), float(-batch_size), float(shaped), float(peak),
                   *(1.0 if used else 0.0 for used in local)]
         reduced = self.max(*values)
         any_failed, most, least, any_shaped = int(reduced[0]), int(reduced[1]), int(-reduced[2]), reduced[3] > 0
-        used = [u > 0 for u in reduced[4:]]
+        worst_peak = int(reduced[4])
+        used = [u > 0 for u in reduced[5:]]
         index = {id(p): i for i, p in enumerate(params)} if made else {}
         for p in made:
             if not used[index[id(p)]]:
                 p.grad = None  # a zero made for a parameter no rank used this step: leave it out, as DDP does
-        return any_failed, most == least, used, any_shaped
+        return any_failed, most == least, used, any_shaped, worst_peak
 
     def _prepare(self, params: list[torch.nn.Parameter], used: list[bool]) -> list[torch.nn.Parameter]:
         """Zeros for the gradients of ``used`` parameters that have none, and bucket buffers for the ``used``

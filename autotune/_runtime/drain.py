@@ -158,13 +158,15 @@ class CollectiveDrain:
         """Whether this rank lacks the schedule of a kind that ``count`` micro-batches need, or one changed lately."""
         return self._changed or any(kind not in self.schedules for kind in micro_batch_kinds(count))
 
-    def start_attempt(self, agree: Agreement, count: int, shaped: bool) -> tuple[int, bool]:
+    def start_attempt(self, agree: Agreement, count: int, shaped: bool, *, peak: int = 0) -> tuple[int, bool, int]:
         """An attempt at the step begins, this rank wanting ``count`` micro-batches. One collective: the count every
         rank runs (the largest wanted: each FSDP2 micro-batch gathers parameters, so all run alike), whether any rank
         is ``shaped`` (splits by its batches' varying shape), and whether some rank lacks a schedule the attempt needs
-        (then every call is published, for a failing rank to follow)."""
+        (then every call is published, for a failing rank to follow); and the largest ``peak`` (the last step's, for a
+        soft budget's check, which so needs no collective of its own)."""
         wanted = (1, 2, 3)  # the kinds of micro-batches differ for 1, 2 and 3 or more
-        most, any_shaped, *lacks = agree.max(float(count), float(shaped), *(float(self.lacks(k)) for k in wanted))
+        most, any_shaped, worst_peak, *lacks = agree.max(float(count), float(shaped), float(peak),
+                                                         *(float(self.lacks(k)) for k in wanted))
         count = int(most)
         publish = lacks[min(count, 3) - 1] > 0
         self._count = count
@@ -175,7 +177,7 @@ class CollectiveDrain:
         self._publish = publish
         if publish:
             self._store = dist.PrefixStore("autotune/drain/", default_store())
-        return count, any_shaped > 0
+        return count, any_shaped > 0, int(worst_peak)
 
     def begin(self, index: int) -> None:
         """Micro-batch ``index`` begins: log its calls."""

@@ -116,6 +116,9 @@ class ElasticEngine:
         self.index = 0
         self.phase = "closure"
         self.last_peak_bytes = 0
+        #: Under several ranks with a soft budget: (micro-batch, sample size, step, this rank's peak) of the last step,
+        #: whose worst-rank peak the next step's one agreement brings (no second collective per step).
+        self._unsettled: tuple[int, float, int, int] | None = None
         self._measure = True  # whether this step reads the peak (see start_batch)
         self._warned_floor = False
         self._metrics: list[torch.nn.Module] | None = None
@@ -231,8 +234,12 @@ class ElasticEngine:
                         self.clean_steps = 0
         sizes = split_sizes(n, min(self.micro_batch_size or n, n))
         if self.drain is not None and self.agree.enabled:
-            count, shaped = self.drain.start_attempt(self.agree, len(sizes), self.shapes.varies)
+            unsettled, self._unsettled = self._unsettled, None
+            count, shaped, worst_peak = self.drain.start_attempt(self.agree, len(sizes), self.shapes.varies,
+                                                                 peak=unsettled[3] if unsettled else 0)
             self.shapes.agreed = self.shapes.agreed or shaped
+            if unsettled is not None:
+                self._settle(unsettled, worst_peak)  # from the next step on: this attempt's count is agreed
             if count != len(sizes):
                 if count > n:
                     raise RuntimeError(_DIFFERENT_SPLITS)  # each FSDP2 forward gathers parameters: ranks run alike
@@ -329,9 +336,13 @@ class ElasticEngine:
     def _vote(self, params: list[torch.nn.Parameter], failure: BaseException | None, level: int) -> None:
         """The step's one collective: did any rank run out of memory, have all the same batch size, which gradients to
         reduce, does any split by shape."""
-        failed, same_split, self._used, shaped = self.agree.vote(
-            params, failed=level, batch_size=sum(self.sizes), shaped=self.shapes.varies)
+        unsettled, self._unsettled = self._unsettled, None
+        failed, same_split, self._used, shaped, worst_peak = self.agree.vote(
+            params, failed=level, batch_size=sum(self.sizes), shaped=self.shapes.varies,
+            peak=unsettled[3] if unsettled else 0)
         self.shapes.agreed = self.shapes.agreed or shaped
+        if unsettled is not None and not failed:
+            self._settle(unsettled, worst_peak)
         if failed:
             if failure is not None:
                 raise failure
@@ -373,27 +384,18 @@ class ElasticEngine:
                                     static_bytes=static)
         shapes.model.fitted(micro, shapes.size, max(0, peak - static) if self._measure else 0)
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.varies
-        if (soft or grow_due) and not shapes.agreed:  # decisions every rank must take alike: the worst rank's figures
-            peak_f, static_f = self.agree.max(float(peak), float(static))
+        # Several ranks, a soft budget, the same shapes everywhere: the worst rank's peak comes with the next step's
+        # agreement and is checked then (one step later); a step that may grow agrees at once (growth needs it now).
+        deferred = soft and not grow_due and self.agree.enabled and not shapes.agreed
+        if (soft or grow_due) and not shapes.agreed and not deferred:  # decisions every rank takes alike: the worst
+            peak_f, static_f = self.agree.max(float(peak), float(static))  # rank's figures
             peak, static = int(peak_f), int(static_f)
         if self._measure:
             self.last_peak_bytes = peak
-        if soft and self.budget_bytes is not None and peak > self.budget_bytes:
-            shapes.model.failed(micro, shapes.size)
-            if shapes.varies and micro > self.min_micro_batch_size:  # per rank: the next step's split is its own
-                self._record("over_budget", global_step, micro, shapes.micro(n), peak=peak)
-                self.clean_steps = 0
-            elif micro > self.min_micro_batch_size:
-                smaller = max(self.min_micro_batch_size, micro // 2)
-                self._record("over_budget", global_step, micro, smaller, peak=peak)
-                self.micro_batch_size = smaller
-                self.clean_steps = 0
-            elif not self._warned_floor:
-                self._warned_floor = True
-                log.warning(
-                    "Step peak %s is over the budget %s at the minimum micro-batch %d; the CPU budget is soft, "
-                    "training goes on.", format_bytes(peak), self.budget_text, micro,
-                )
+        if deferred:
+            self._unsettled = (micro, shapes.size, global_step, peak)
+            return
+        if soft and self._over_budget(micro, shapes.size, peak, global_step, n):
             return
         if not grow_due:
             return
@@ -407,6 +409,36 @@ class ElasticEngine:
             self.micro_batch_size = target
         else:
             log.debug("autotune: not growing %d -> %d: projected peak %s", micro, target, format_bytes(int(projected)))
+
+    def _over_budget(self, micro: int, size: float, peak: int, global_step: int, n: int) -> bool:
+        """A soft budget's check of a step's peak (the worst rank's under several ranks): over it, the micro-batch
+        shrinks for the next step (or, at the minimum, a warning once). Whether it was over."""
+        if self.budget_bytes is None or peak <= self.budget_bytes:
+            return False
+        shapes = self.shapes
+        shapes.model.failed(micro, size)
+        if shapes.varies and micro > self.min_micro_batch_size:  # per rank: the next step's split is its own
+            self._record("over_budget", global_step, micro, shapes.micro(n), peak=peak)
+            self.clean_steps = 0
+        elif micro > self.min_micro_batch_size:
+            smaller = max(self.min_micro_batch_size, micro // 2)
+            self._record("over_budget", global_step, micro, smaller, peak=peak)
+            self.micro_batch_size = smaller
+            self.clean_steps = 0
+        elif not self._warned_floor:
+            self._warned_floor = True
+            log.warning(
+                "Step peak %s is over the budget %s at the minimum micro-batch %d; the CPU budget is soft, "
+                "training goes on.", format_bytes(peak), self.budget_text, micro,
+            )
+        return True
+
+    def _settle(self, unsettled: tuple[int, float, int, int], worst_peak: int) -> None:
+        """Check the last step's peak, now agreed (the worst rank's), against the soft budget; unless the micro-batch
+        changed since (a replay shrank it): that peak says nothing of the new one."""
+        micro, size, global_step, _ = unsettled
+        if micro == self.micro_batch_size:
+            self._over_budget(micro, size, worst_peak, global_step, micro)
 
     def _record(self, kind: str, step: int, previous: int, new: int, where: str = "", peak: int | None = None) -> None:
         if kind in ("oom", "grow_failed", "eval_oom"):

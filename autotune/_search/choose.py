@@ -4,7 +4,8 @@ Every measurement of a plan (its trial, and any re-measurement) is combined into
 throughputs, with an interval of +- the larger of the runs' own precision (their 95% half-widths, combined) and half
 the spread between runs (two processes of the same plan scatter more than one run's steps do). Before a plan is
 declared best, the plans whose interval overlaps the leader's and whose mean is within 15% of it are measured
-again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted. The progress
+again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted with room for
+its peak's noise (:func:`peak_noise`: a peak within it of the budget may be over it in the next run). The progress
 line, ``autotune report``, the plots and the tuned file's provenance all read the result from the study
 (``chosen``), so they name the same plan.
 """
@@ -58,7 +59,7 @@ class Figure:
 
 def run_of(attrs: dict[str, Any]) -> dict[str, Any]:
     """A run's record from a trial's (or a re-measurement's) attributes."""
-    return {k: attrs.get(k) for k in ("status", "samples_per_second", "interval", "peak_bytes")}
+    return {k: attrs.get(k) for k in ("status", "samples_per_second", "interval", "peak_bytes", "peak_noise_bytes")}
 
 
 def combine(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
@@ -76,6 +77,19 @@ def combine(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
     within = math.sqrt(sum(h * h for h in halves)) / len(runs)
     half = max(within, (max(rates) - min(rates)) / 2)
     return mean, mean - half, mean + half
+
+
+def peak_noise(runs: list[dict[str, Any]]) -> int:
+    """How much a plan's peak varies: the larger of its runs' spread and the largest variation between the steps of
+    one run (0 when unknown).
+
+    Example:
+        >>> peak_noise([{"peak_bytes": 100, "peak_noise_bytes": 3}, {"peak_bytes": 105}])
+        5
+    """
+    peaks = [r["peak_bytes"] for r in runs if r.get("peak_bytes")]
+    spread = max(peaks) - min(peaks) if peaks else 0
+    return max(spread, *(int(r.get("peak_noise_bytes") or 0) for r in runs))
 
 
 def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
@@ -102,6 +116,8 @@ def figures(study: Any, budget_bytes: int) -> list[Figure]:
             continue  # pruned, failed or out of memory in some run
         if peaks[0] is None or any(p is not None and p > budget_bytes for p in peaks):
             continue  # not known to fit, or over the budget in some run
+        if max(p or 0 for p in peaks) + peak_noise(runs) > budget_bytes:
+            continue  # within its peak's noise of the budget: another run (the user's) may well be over it
         mean, low, high = combine(runs)
         first = trials[0]
         out.append(Figure(first.number, first.user_attrs.get("plan", str(first.params)), mean, low, high,

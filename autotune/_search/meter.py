@@ -63,6 +63,7 @@ class TrialResult:
     interval: tuple[float, float] | None = None  # the 95% interval of samples_per_second over this run's steps
     tokens_per_second: float | None = None
     peak_bytes: int | None = None
+    peak_noise_bytes: int | None = None  # how much the peaks of its steps after the first varied (largest - smallest)
     steps_timed: int = 0
     warmup_steps: int = 0
     flops_per_sample: float | None = None
@@ -172,6 +173,7 @@ def make_meter(**kwargs: Any) -> Any:
             self.counted_samples = min(spec.plan.get("micro_batch_size") or batch_size, batch_size)
             # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
             self.step_peak = 0
+            self.step_peaks: list[int] = []  # each step's (the meter is reset at each step's start)
             self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -199,7 +201,8 @@ def make_meter(**kwargs: Any) -> Any:
             self._count_done()
             _sync(pl_module.device)
             now = time.perf_counter()
-            self.step_peak = max(self.step_peak, self._peak(pl_module))
+            self.step_peaks.append(self._peak(pl_module))
+            self.step_peak = max(self.step_peak, self.step_peaks[-1])
             if self.marks:
                 self.marks.append(now)
             else:
@@ -278,6 +281,7 @@ def make_meter(**kwargs: Any) -> Any:
                 interval=(low, high) if math.isfinite(high) and self.marks else None,
                 tokens_per_second=rate * self.tokens if self.tokens else None,
                 peak_bytes=getattr(self, "peak", None),
+                peak_noise_bytes=max(steady) - min(steady) if len(steady := self.step_peaks[1:]) > 1 else None,
                 flops_per_sample=per_sample,
                 mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
                 steps_timed=len(self.durations()),

@@ -41,7 +41,8 @@ def _rows(study: Any) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         peak = attrs.get("peak_bytes")
-        fits = None if peak is None or budget is None else peak <= budget and attrs.get("status") in ("ok", "pruned")
+        fits = None if peak is None or budget is None else (  # within its peak's noise of the budget: not a fit
+            peak + (attrs.get("peak_noise_bytes") or 0) <= budget and attrs.get("status") in ("ok", "pruned"))
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),

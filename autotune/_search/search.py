@@ -357,8 +357,8 @@ class _Objective:
         peak = result.peak_bytes
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
-        elif peak is not None:
-            over = (peak - self.budget_bytes) / self.budget_bytes
+        elif peak is not None:  # within its measured noise of the budget counts as over it
+            over = (peak + (result.peak_noise_bytes or 0) - self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
         trial.set_constraint("memory", over)  # every path: feasible when <= 0
@@ -379,7 +379,8 @@ class _Objective:
                 trial.set_user_attr("cached_from", other.number)
                 return TrialResult(attrs.get("status", "ok"), samples_per_second=attrs.get("samples_per_second"),
                                    tokens_per_second=attrs.get("tokens_per_second"),
-                                   peak_bytes=attrs.get("peak_bytes"), reason=attrs.get("reason", ""))
+                                   peak_bytes=attrs.get("peak_bytes"), peak_noise_bytes=attrs.get("peak_noise_bytes"),
+                                   reason=attrs.get("reason", ""))
         return None
 
     def _stop_below(self, study: Any) -> float | None:

@@ -37,12 +37,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--at-step", type=int, default=None, help="the only step whose micro-batches fault")
     parser.add_argument("--micro", type=int, default=None, help="the micro-batch to start with")
+    parser.add_argument("--budget", default=None, help="ElasticBatchSize's budget (soft on the CPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.mode == "elastic":
         steps = (lambda s: True) if args.at_step is None else (lambda s: s == args.at_step)
         model = ToyModel(fault=Fault(args.where, limit=16, rank=args.rank, steps=steps))
-        callbacks, batch, accumulate = [ElasticBatchSize(grow=False, micro_batch_size=args.micro)], 64, 1
+        callbacks, batch, accumulate = [ElasticBatchSize(grow=False, micro_batch_size=args.micro, budget=args.budget)], 64, 1
     else:
         model, callbacks, batch, accumulate = ToyModel(), [], 16, 4
     votes = VotesPerStep(callbacks[0]) if callbacks else None
@@ -50,10 +51,11 @@ def main() -> None:
                 accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
     t.fit(model, loader(64 * 2 * 3, batch))
     events = [(e.kind, e.previous, e.micro_batch_size) for e in callbacks[0].events] if callbacks else []
+    steps = [e.step for e in callbacks[0].events] if callbacks else []
     torch.save(
         {"state": model.state_dict(), "seen": [len(ids) for _, ids in model.seen], "events": events,
          "global_step": t.global_step, "ids": [i for _, ids in model.seen for i in ids],
-         "votes_per_clean_step": votes.last if votes else None},
+         "votes_per_clean_step": votes.last if votes else None, "event_steps": steps},
         Path(args.out) / f"rank{t.global_rank}.pt",
     )
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 from autotune.callbacks import ApplyPlan, ElasticBatchSize  # noqa: E402
 from tests.callbacks.toy import Fault, ToyModel, loader, trainer  # noqa: E402
+from tests.callbacks.ddp_run import VotesPerStep  # noqa: E402
 
 
 class ShardedToy(ToyModel):
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--bf16-policy", action="store_true", help="bf16 parameters, fp32 reduction (FSDP2 policy)")
     parser.add_argument("--one-unit", action="store_true", help="shard the network as one FSDP unit")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--budget", default=None, help="elastic: ElasticBatchSize's budget (soft on the CPU)")
     parser.add_argument("--composed", action="store_true",
                         help="bf16-mixed, and ApplyPlan checkpointing every Linear (applied before fully_shard)")
     parser.add_argument("--gpt", action="store_true", help="the GPT example, sharded by ApplyPlan")
@@ -70,7 +72,7 @@ def main() -> None:
         fault = Fault(args.where, limit=8, rank=args.rank, steps=steps) if args.where else None
         model = ShardedToy(fault=fault, **toy)
         grow = {"grow": False} if args.grow_after is None else {"grow": True, "grow_after": args.grow_after}
-        callbacks, batch, accumulate = [ElasticBatchSize(micro_batch_size=args.micro, **grow)], 64, 1
+        callbacks, batch, accumulate = [ElasticBatchSize(micro_batch_size=args.micro, budget=args.budget, **grow)], 64, 1
     else:
         model, callbacks, batch, accumulate = ShardedToy(**toy), [], args.micro, 64 // args.micro
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -78,8 +80,9 @@ def main() -> None:
     if args.composed:
         callbacks = [*callbacks, ApplyPlan(activation_checkpointing=["Linear"])]
         extra["precision"] = "bf16-mixed"
-    t = trainer(callbacks, strategy=strategy, devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5,
-                **extra)
+    votes = VotesPerStep(callbacks[0]) if args.mode == "elastic" else None
+    t = trainer([*callbacks, *([votes] if votes else [])], strategy=strategy, devices=2,
+                accumulate_grad_batches=accumulate, gradient_clip_val=0.5, **extra)
     t.fit(model, loader(64 * 2 * 3, batch), loader(32 * 2, 32) if args.where == "validation" else None)
     state = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for name, v in model.state_dict().items()}
@@ -88,7 +91,9 @@ def main() -> None:
     drain = elastic.engine.drain if elastic else None
     torch.save({"state": state, "seen": [len(ids) for _, ids in model.seen], "global_step": t.global_step,
                 "ids": [i for _, ids in model.seen for i in ids], "lrs": model.lrs, "events": events, "calls": model.seen,
-                "drained": (drain.drained, drain.followed) if drain else None},
+                "drained": (drain.drained, drain.followed) if drain else None,
+                "votes_per_clean_step": votes.last if votes else None,
+                "event_steps": [e.step for e in elastic.events] if elastic else []},
                Path(args.out) / f"rank{t.global_rank}.pt")
 
 

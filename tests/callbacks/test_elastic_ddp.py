@@ -76,3 +76,17 @@ def test_a_steady_state_update_oom_before_any_change_on_one_rank_is_not_called_h
     assert proc.returncode != 0
     assert "whether or not it changed anything here, because the other ranks have applied theirs" in proc.stderr
     assert "half-applied" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_soft_budget_under_ddp_adds_no_collective_and_ranks_shrink_alike(tmp_path: Path) -> None:
+    # The CPU budget is soft: each step's peak is checked against it on the worst rank's figure, which rides on the
+    # next step's one vote (docs/elastic.md), so a clean step still makes one agreement collective.
+    roomy = run(tmp_path / "roomy", "--mode", "elastic", "--at-step", "99", "--micro", "16", "--budget", "64GiB")
+    assert [r["votes_per_clean_step"] for r in roomy] == [1, 1] and [r["events"] for r in roomy] == [[], []]
+    # Over the budget at once: step 0's peak, agreed in step 1's vote, halves the micro-batch of step 2 on both
+    # ranks (step 1's peak, at the old micro-batch, says nothing of the new one: no second halving).
+    tight = run(tmp_path / "tight", "--mode", "elastic", "--at-step", "99", "--micro", "32", "--budget", "1MiB")
+    for r in tight:
+        assert r["events"] == [("over_budget", 32, 16)] and r["event_steps"] == [0]
+        assert r["seen"] == [32] * 4 + [16] * 4 and r["votes_per_clean_step"] == 1 and r["global_step"] == 3

@@ -159,3 +159,17 @@ def test_an_evaluation_oom_under_fsdp2_stops_every_rank_with_one_clear_error(tmp
     assert ("Out of memory in validate under FSDP2 (ModelParallelStrategy): evaluation batches are not split under "
             "FSDP2") in proc.stderr
     assert not list(tmp_path.glob("rank*.pt"))
+
+
+@pytest.mark.slow
+def test_a_soft_budget_under_fsdp2_adds_no_collective_and_ranks_shrink_alike(tmp_path: Path) -> None:
+    # FSDP2 agrees twice per step (the micro-batch count at the start, the vote at the end); the soft budget's peak
+    # rides on the next step's first agreement instead of a third collective.
+    roomy = results(tmp_path / "roomy", run(tmp_path / "roomy", "--mode", "elastic", "--at-step", "99", "--micro",
+                                            "16", "--budget", "64GiB"))
+    assert [r["votes_per_clean_step"] for r in roomy] == [2, 2] and [r["events"] for r in roomy] == [[], []]
+    tight = results(tmp_path / "tight", run(tmp_path / "tight", "--mode", "elastic", "--at-step", "99", "--micro",
+                                            "32", "--budget", "1MiB"))
+    for r in tight:
+        assert r["events"] == [("over_budget", 32, 16)] and r["event_steps"] == [0]
+        assert r["seen"] == [32] * 4 + [16] * 4 and r["votes_per_clean_step"] == 2 and r["global_step"] == 3
