@@ -114,6 +114,10 @@ MUTATIONS = (
              ("tests/callbacks/test_elastic_ddp.py::test_a_soft_budget_under_ddp_adds_no_collective_and_ranks_shrink_alike",
               "tests/callbacks/test_elastic_fsdp.py::test_a_soft_budget_under_fsdp2_adds_no_collective_and_ranks_shrink_"
               "alike")),
+    Mutation("search-peak-noise-is-not-a-fit", "a plan within its peak's noise of the budget is not chosen",
+             "autotune/_search/choose.py", "        if max(p or 0 for p in peaks) + peak_noise(runs) > budget_bytes:\n",
+             "        if False:\n",
+             ("tests/test_search_choice.py::test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen",)),
     Mutation("oneDNN-conv-buffers-measured", "a CPU estimate counts the buffers oneDNN convolutions hold (ConvNeXt)",
              "autotune/_estimate/workspace.py", " or _onednn_conv(func, args))", ")",
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy[convnext-none]",)),
