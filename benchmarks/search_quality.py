@@ -27,6 +27,7 @@ thread (``--threads``). Studies live in temporary SQLite files. Results go to st
 Usage::
 
     python benchmarks/search_quality.py --quick               # the tight budget, 3 seeds, 6 trials
+    python benchmarks/search_quality.py --quick --load 1      # the same beside one busy process (a noisy machine)
     python benchmarks/search_quality.py                       # both budgets, 5 seeds, 6 and 12 trials
     python benchmarks/search_quality.py --device cuda --json search_quality.json
 """
@@ -34,6 +35,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -41,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +359,7 @@ def run_budget(args: argparse.Namespace, table: Table, name: str, budget_mib: in
     oracle(table, target, names, budget_bytes, dev, args.oracle_runs)
     fitting = [table.view(n) for n in names if _fits(table.view(n), budget_bytes)]
     best = max(fitting, key=lambda v: v["samples_per_second"])
-    out: dict[str, Any] = {"budget_name": name, "budget_mib": budget_mib, "plans": len(names),
+    out: dict[str, Any] = {"budget_name": name, "budget_mib": budget_mib, "budget_bytes": budget_bytes, "plans": len(names),
                            "plans_fit": len(fitting), "best_plan": best["plan"],
                            "best_sps": best["samples_per_second"], "exhaustive_wall": pass_wall[name], "by_trials": {}}
     for trials in args.trials:
@@ -365,6 +368,7 @@ def run_budget(args: argparse.Namespace, table: Table, name: str, budget_mib: in
             print(f"[{name}] {trials} trials, seed {seed} ...", file=sys.stderr, flush=True)
             o = run_ours(target, space_path, budget, dev, trials, seed, tmp)
             o["figure"] = figure_of(table, target, o, dev, args.oracle_runs)
+            o["oracle_peak"] = table.view(o["plan"])["peak_bytes"] if o["plan"] in table.rows else None
             r = run_random(table, target, space, budget_bytes, dev, trials, seed, auto)
             r["figure"] = figure_of(table, target, r, dev, args.oracle_runs)
             ours.append(o)
@@ -399,6 +403,7 @@ def report(results: dict[str, Any]) -> str:
              "ours: tuned / best, median (min-max)", "random: tuned / best", "ours: trials to 95%",
              "random: trials to 95%",
              "wall ours / exhaustive (median)", "ours: parent s per trial (median)", "ours: re-measurements",
+             "ours: chosen over the budget in an oracle run", "ours: least room under the budget (MiB)",
              "ours: plans chosen"]]
     verdicts = []
     for b in results["budgets"]:
@@ -411,13 +416,18 @@ def report(results: dict[str, Any]) -> str:
                          _spread([r["ratio"] for r in rand]), _reach([o["reach"] for o in ours], int(trials)),
                          _reach([r["reach"] for r in rand], int(trials)), f"{wall:.2f}",
                          f"{statistics.median(x for o in ours for x in o['parent_seconds']):.2f}",
-                         f"{statistics.median(o['remeasured'] for o in ours):.0f}", "; ".join(chosen)])
+                         f"{statistics.median(o['remeasured'] for o in ours):.0f}",
+                         f"{sum(1 for o in ours if (o.get('oracle_peak') or 0) > b['budget_bytes'])} of {len(ours)}",
+                         f"{min((b['budget_bytes'] - (o.get('oracle_peak') or 0)) / 2**20 for o in ours):.2f}",
+                         "; ".join(chosen)])
             median = statistics.median(o["ratio"] for o in ours)
             verdicts.append(f"{b['budget_name']}, {trials} trials: median {median:.3f} "
                             f"({'met' if median >= GOAL_QUALITY else 'NOT met'}), wall {wall:.2f} "
                             f"({'met' if wall <= GOAL_WALL else 'NOT met'})")
     goals = f"goals: median tuned/best >= {GOAL_QUALITY}, wall ratio <= {GOAL_WALL}: " + "; ".join(verdicts)
-    return "\n".join([machine_line(results["machine"]), f"commit {results['commit']}", "",
+    load = (f"load generator: {results['load']} busy process(es) beside the benchmark for its whole run"
+            if results.get("load") else "no load generator")
+    return "\n".join([machine_line(results["machine"]), f"commit {results['commit']}", load, "",
                       markdown_table(rows[0], rows[1:], pad=True), "", goals,
                       f"total wall time {results['wall_seconds']:.0f} s"])
 
@@ -435,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budgets", nargs="+", choices=["loose", "tight"], default=None,
                         help="which budgets (default: both, tight with --quick)")
     parser.add_argument("--oracle-runs", type=int, default=3, help="extra runs of the plans near the top (default 3)")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="a CPU-load generator: N busy processes beside the whole run (noise; default 0)")
     add_json(parser)
     args = parser.parse_args(argv)
     args.seeds = args.seeds or (3 if args.quick else 5)
@@ -456,6 +468,21 @@ def _commit() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` processes that each keep one core busy (a pure-Python loop) while the block runs: the noise of a
+    shared machine, for the search to be judged under."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = threads_for(args.device, args.threads)
@@ -464,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     start = time.perf_counter()
     results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "commit": _commit(),
-                               "budgets": []}
+                               "budgets": [], "load": args.load}
     table = Table()
-    with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp, busy_processes(args.load):
         import torch
 
         from autotune import load_space, load_target

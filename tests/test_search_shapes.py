@@ -79,3 +79,21 @@ def test_the_tuned_plan_says_at_which_sample_size_its_micro_batch_fits() -> None
     assert _at_largest_samples(plan, sizes, None, 1000) == plan  # unestimated: none
     assert _at_largest_samples(plan, BatchSizes(32, 96.0, 96.0, 96.0), 900, 1000) == plan  # one shape
     assert _at_largest_samples(Plan(), sizes, 900, 1000) == Plan()  # the whole batch: nothing to start from
+
+
+def test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_infeasible(tmp_path: Path) -> None:
+    # The one long batch (8 x 64 tokens) comes at index 30, past any trial's steps: a trial that ran the data as it
+    # comes would find micro-batch 8 fits (8 x 8 tokens) and choose it; the user's run would then fail at step 30.
+    from optuna.trial import TrialState
+
+    from autotune._search.search import search
+
+    space = tmp_path / "space.yaml"
+    space.write_text("dimensions:\n  micro_batch_size: {choices: [2, 8]}\n")
+    result = search(target=f"{ROOT / 'tests' / 'fixtures' / 'long_tail_target.py'}:make", budget="8GiB",
+                    space=str(space), trials=2, steps=2, warmup=1, seed=0, out=None, device="cpu",
+                    storage=f"sqlite:///{tmp_path / 's.db'}")
+    ran = [t for t in result.study.get_trials(states=(TrialState.COMPLETE,)) if t.user_attrs.get("source") == "measured"]
+    assert {t.params["micro_batch_size"]: t.user_attrs["status"] for t in ran} == {8: "oom", 2: "ok"}
+    assert result.plan.micro_batch_size == 2
+    assert result.study.user_attrs["batch_sizes"]["largest"] == 64.0

@@ -34,6 +34,10 @@ class TrialSpec:
     warmup: int = 2  # warm-up steps at least (more while the step time is not stable)
     interval: float = 0.03  # stop timing once the 95% interval is within +- this share of the throughput
     stop_below: float | None = None  # samples/s: stop early when the interval's top is below this
+    # A file holding the batch of the largest samples the search read (``torch.save``), where batches vary in shape:
+    # the trial runs it in place of a warm-up step's batch, so its peak covers the longest batch while its timed
+    # steps keep the data as it comes (mostly short batches). None: the data as it comes.
+    long_batch: str | None = None
 
     def memory_plan(self) -> Any:
         """The :class:`~autotune.Plan` of this trial, read back from its dict form."""

@@ -183,6 +183,12 @@ class SearchEstimator:
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
 
+    @property
+    def batch(self) -> Any:
+        """The batch every plan is estimated on (the one of the largest samples read), once the estimator first ran;
+        None before."""
+        return self._batch
+
     def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0,
                          meanwhile: Sequence[Plan] = ()) -> None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of

@@ -153,6 +153,7 @@ def search(
     stor = open_storage(storage)
     name = study or _study_name(target, parsed_budget, space_obj, dev)
     verbosity = optuna.logging.get_verbosity()
+    runner: _Objective | None = None
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no INFO line per trial; the caller's level comes back
     try:
         guided = guided_trials(trials, len(space_obj.seeds))
@@ -211,6 +212,8 @@ def search(
                             notes=space_obj.notes + _shape_notes(the_study, runner.estimator.batch_sizes, plan),
                             figure=figure)
     finally:
+        if runner is not None:
+            runner.close()
         logging.getLogger(OPTUNA_OPTIMIZE).removeFilter(drop_interrupts)
         optuna.logging.set_verbosity(verbosity)
 
@@ -258,6 +261,7 @@ class _Objective:
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
         self._auto_cache: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch, and baseline
         self.estimator = SearchEstimator(target_obj, device)
+        self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
@@ -351,7 +355,27 @@ class _Objective:
     def _spec(self, plan: Plan, *, stop_below: float | None = None) -> TrialSpec:
         return TrialSpec(target=self.target, config=self.config, plan=plan.to_dict(), budget=str(self.budget),
                          device=self.device.type, devices=self.devices, steps=self.steps, warmup=self.warmup,
-                         interval=self.interval, stop_below=stop_below)
+                         interval=self.interval, stop_below=stop_below, long_batch=self._long_batch())
+
+    def _long_batch(self) -> str | None:
+        """Where batches vary in shape: a file holding the batch of the largest samples the estimator read, for each
+        trial to run once (its peak then covers it); written once per search, removed by :meth:`close`."""
+        sizes, batch = self.estimator.batch_sizes, self.estimator.batch
+        if sizes is None or not sizes.varies or batch is None:
+            return None
+        if self._long_dir is None:
+            import tempfile
+
+            import torch
+
+            self._long_dir = tempfile.TemporaryDirectory(prefix="autotune-long-batch-")
+            torch.save(batch, Path(self._long_dir.name) / "batch.pt")
+        return str(Path(self._long_dir.name) / "batch.pt")
+
+    def close(self) -> None:
+        if self._long_dir is not None:
+            self._long_dir.cleanup()
+            self._long_dir = None
 
     def _record(self, trial: Any, result: TrialResult, *, source: str) -> float:
         peak = result.peak_bytes

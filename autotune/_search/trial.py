@@ -262,6 +262,9 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     kwargs.pop("devices", None)  # the trial's devices decide
     if kwargs.get("strategy") == "ddp":
         kwargs["strategy"] = "ddp_fork"  # the launcher must not re-run the search command
+    if spec.long_batch is not None:
+        _run_long_batch(target.model, spec.long_batch, at=min(1, spec.warmup - 1))
+
     def fit() -> None:
         trainer = _trainer(spec, plan, kwargs, [*extra, meter], micro, settings)
         trainer.fit(target.model, datamodule=target.datamodule)
@@ -270,6 +273,26 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
         _start_ranks(spec.devices, fit)
     else:
         fit()
+
+
+def _run_long_batch(model: Any, path: str, *, at: int) -> None:
+    """Make the ``at``-th training batch (0-based; a warm-up step) the one saved at ``path``: the model's
+    ``on_before_batch_transfer`` hands it over in place of the one the dataloader gave (every rank alike)."""
+    import torch
+
+    batch = torch.load(path, weights_only=False)
+    original = model.on_before_batch_transfer
+    seen = 0
+
+    def on_before_batch_transfer(given: Any, dataloader_idx: int) -> Any:
+        nonlocal seen
+        if model.trainer.training:
+            seen += 1
+            if seen == at + 1:
+                given = batch
+        return original(given, dataloader_idx)
+
+    model.on_before_batch_transfer = on_before_batch_transfer
 
 
 def _start_ranks(count: int, fit: Any) -> None:
