@@ -8,7 +8,9 @@ whole batch, so that the plans that fit do not change with a MiB of resident-set
   resolves it) measured once with ``autotune.measure_plan``, the search's own noise-aware trial (warm-up until step
   time is stable, timed until the 95% interval is within +-3% or 20 steps). Then the **oracle**: every plan whose
   interval reaches within 10% of the best one is measured ``--oracle-runs`` more times, interleaved; a plan's oracle
-  figure is the mean of its runs. "best" is the largest oracle figure of a plan that fits.
+  figure is the mean of its runs. "best" is the largest oracle figure of a plan that fits with room for its peak's
+  noise (its steps' and runs' spread, the search's own rule: a plan a MiB under the budget whose peaks scatter by
+  more is no fit).
 - **ours**: ``autotune.search`` as shipped, a fresh study per sampler seed, with 6 and with 12 trials;
 - **random**: the same number of trials, each a uniform draw from the space's points (seeded), measured with
   ``autotune.measure_plan``; its answer is its fastest measurement that fits.
@@ -78,7 +80,9 @@ AUTO = "auto"
 
 
 def _fits(row: dict[str, Any], budget_bytes: int) -> bool:
-    return row["status"] == "ok" and row.get("peak_bytes") is not None and row["peak_bytes"] <= budget_bytes
+    """Whether a plan fits with room for its peak's noise (the search's own rule: autotune/_search/choose.py)."""
+    return (row["status"] == "ok" and row.get("peak_bytes") is not None
+            and row["peak_bytes"] + row.get("peak_noise_bytes", 0) <= budget_bytes)
 
 
 def plan_of(params: dict[str, Any], micro_batch_size: int | None) -> Any:
@@ -221,18 +225,21 @@ class Table:
                                                      "micro_batch_size": plan.micro_batch_size, "runs": []})
         row["runs"].append({"status": result.status, "samples_per_second": result.samples_per_second or 0.0,
                             "interval": list(result.interval) if result.interval else None,
-                            "peak_bytes": result.peak_bytes})
+                            "peak_bytes": result.peak_bytes, "peak_noise_bytes": result.peak_noise_bytes})
         return row
 
     def view(self, name: str) -> dict[str, Any]:
-        """A plan's figure over its runs: mean samples/s, largest peak, status "ok" only if every run was."""
+        """A plan's figure over its runs: mean samples/s, largest peak and its noise (steps' and runs' spread), status
+        "ok" only if every run was."""
+        from autotune._search.choose import peak_noise
+
         row = self.rows[name]
         runs = row["runs"]
         ok = all(r["status"] == "ok" for r in runs)
         peaks = [r["peak_bytes"] for r in runs if r["peak_bytes"]]
         return {**row, "status": "ok" if ok else runs[-1]["status"],
                 "samples_per_second": statistics.fmean(r["samples_per_second"] for r in runs) if ok else 0.0,
-                "peak_bytes": max(peaks) if peaks else None, "count": len(runs)}
+                "peak_bytes": max(peaks) if peaks else None, "peak_noise_bytes": peak_noise(runs), "count": len(runs)}
 
     def views(self) -> list[dict[str, Any]]:
         return [self.view(name) for name in self.rows]

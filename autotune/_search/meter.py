@@ -67,7 +67,7 @@ class TrialResult:
     interval: tuple[float, float] | None = None  # the 95% interval of samples_per_second over this run's steps
     tokens_per_second: float | None = None
     peak_bytes: int | None = None
-    peak_noise_bytes: int | None = None  # how much the peaks of its steps after the first varied (largest - smallest)
+    peak_noise_bytes: int | None = None  # how much its timed steps' peaks varied (largest - smallest)
     steps_timed: int = 0
     warmup_steps: int = 0
     flops_per_sample: float | None = None
@@ -178,6 +178,7 @@ def make_meter(**kwargs: Any) -> Any:
             # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
             self.step_peak = 0
             self.step_peaks: list[int] = []  # each step's (the meter is reset at each step's start)
+            self.timed_from: int | None = None
             self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -215,6 +216,7 @@ def make_meter(**kwargs: Any) -> Any:
             decision = trainer.strategy.broadcast(self._decide(), src=0)  # rank 0's timing decides for all
             if decision == _TIMING_STARTS and not self.marks:
                 self.marks = [now]
+                self.timed_from = len(self.step_peaks)  # the peaks of the timed steps are the steady ones
             elif decision in (_ENOUGH, _TOO_SLOW):
                 self.pruned = decision == _TOO_SLOW
                 trainer.should_stop = True
@@ -261,6 +263,13 @@ def make_meter(**kwargs: Any) -> Any:
             _, low, high = throughput(self.durations(), self.samples_per_step())
             return low, high
 
+        def peak_noise(self) -> int | None:
+            """How much the timed (steady) steps' peaks varied, largest less smallest; None with fewer than two. The
+            warm-up's steps are left out: their growth (optimizer state, allocator, workers) is a trend, not noise,
+            and the largest of them is in the peak anyway."""
+            steady = self.step_peaks[self.timed_from:] if self.timed_from is not None else []
+            return max(steady) - min(steady) if len(steady) > 1 else None
+
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.peak = max(self.step_peak, self._peak(pl_module)) + _context_bytes(pl_module.device)
             if trainer.world_size > 1:  # the largest peak of the ranks (the budget is per device)
@@ -285,7 +294,7 @@ def make_meter(**kwargs: Any) -> Any:
                 interval=(low, high) if math.isfinite(high) and self.marks else None,
                 tokens_per_second=rate * self.tokens if self.tokens else None,
                 peak_bytes=getattr(self, "peak", None),
-                peak_noise_bytes=max(steady) - min(steady) if len(steady := self.step_peaks[1:]) > 1 else None,
+                peak_noise_bytes=self.peak_noise(),
                 flops_per_sample=per_sample,
                 mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
                 steps_timed=len(self.durations()),

@@ -339,11 +339,13 @@ class _Objective:
         value = self._record(trial, result, source="measured")
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
-            if params.get("micro_batch_size") == AUTO and result.peak_bytes <= self.budget_bytes \
-                    and self._auto_micro(params) > micro:
-                # measured, the shape has room for a larger micro-batch than predicted: try 'auto' again, next (one
-                # measured over the budget has none: its next choice is left until it is asked for)
-                trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
+            if params.get("micro_batch_size") == AUTO:
+                # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
+                # less (over the budget, or within its peak's noise of it), so its choice moves: try it again, next
+                fits = result.peak_bytes + (result.peak_noise_bytes or 0) <= self.budget_bytes
+                again = self._auto_micro(params)
+                if (fits and again > micro) or (not fits and again < micro):
+                    trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
         # this process's own time for the trial (sampler, estimator, storage), apart from the trial's process
         trial.set_user_attr("parent_seconds", time.perf_counter() - started - ran)
         if result.status == "pruned":

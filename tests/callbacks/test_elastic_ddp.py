@@ -79,6 +79,27 @@ def test_a_steady_state_update_oom_before_any_change_on_one_rank_is_not_called_h
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("where", "rank", "step"), [  # the rest of the fault matrix (where x rank x first/steady
+    # step; a steady update's OOM ends the run: test_a_half_applied_steady_state_update_on_one_rank_ends_every_rank_...)
+    ("forward", 1, 0), ("backward", 0, 0), ("step", 1, 0),
+    ("forward", 0, 1), ("forward", 1, 1), ("backward", 0, 1), ("backward", 1, 1),
+])
+def test_the_ddp_fault_matrix_replays_every_rank_alike(native: list[dict], tmp_path: Path, where: str, rank: int,
+                                                       step: int) -> None:
+    ranks = run(tmp_path, "--mode", "elastic", "--where", where, "--rank", str(rank), "--at-step", str(step))
+    for r, result in enumerate(ranks):
+        assert result["events"] == [("oom", 64, 32), ("oom", 32, 16)] and result["event_steps"] == [step, step]
+        assert result["global_step"] == native[r]["global_step"] == 3
+        assert result["ids"][-16 * 4 * (3 - step):] == native[r]["ids"][-16 * 4 * (3 - step):]  # same samples
+        for name, value in result["state"].items():
+            assert torch.equal(value, ranks[0]["state"][name]), f"replicas drifted: {name} on rank {r}"
+            if step == 0:  # every step at micro-batch 16, as native accumulation: to the bit
+                assert torch.equal(value, native[r]["state"][name]), f"{name} differs from native accumulation"
+            else:  # step 0 ran whole (one micro-batch of 64): fp32 summation order apart
+                torch.testing.assert_close(value, native[r]["state"][name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_a_soft_budget_under_ddp_adds_no_collective_and_ranks_shrink_alike(tmp_path: Path) -> None:
     # The CPU budget is soft: each step's peak is checked against it on the worst rank's figure, which rides on the
     # next step's one vote (docs/elastic.md), so a clean step still makes one agreement collective.
