@@ -118,6 +118,12 @@ MUTATIONS = (
              "autotune/_search/choose.py", "        if max(p or 0 for p in peaks) + peak_noise(runs) > budget_bytes:\n",
              "        if False:\n",
              ("tests/test_search_choice.py::test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen",)),
+    Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
+             "autotune/_search/choose.py",
+             "        edge = len(lead.runs) == 1 and lead.peak_bytes > (1 - EDGE_SHARE) * budget_bytes\n",
+             "        edge = False\n",
+             ("tests/test_search_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"
+              "is_over",)),
     Mutation("oneDNN-conv-buffers-measured", "a CPU estimate counts the buffers oneDNN convolutions hold (ConvNeXt)",
              "autotune/_estimate/workspace.py", " or _onednn_conv(func, args))", ")",
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy[convnext-none]",)),

@@ -204,6 +204,20 @@ def test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen() -> None:
     assert [f.plan for f in figures(spread, 20)] == ["safe"] and [f.plan for f in figures(spread, 22)] == ["edge", "safe"]
 
 
+def test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_is_over() -> None:
+    # 1990 of 2000 (within 1%), measured once: a second run decides; it peaks at 2010, so the next plan is chosen
+    study = _study([("edge", 200.0, 4.0, 1990, "ok"), ("safe", 100.0, 4.0, 1000, "ok")])
+    asked: list[str] = []
+
+    def remeasure(trial: Any) -> dict[str, Any]:
+        asked.append(trial.user_attrs["plan"])
+        return {"status": "ok", "samples_per_second": 199.0, "interval": [195.0, 203.0], "peak_bytes": 2010}
+
+    assert choose(study, 2000, remeasure).plan == "safe" and asked == ["edge"]
+    roomy = _study([("edge", 200.0, 4.0, 1970, "ok"), ("safe", 100.0, 4.0, 1000, "ok")])  # 1.5% under: no doubt
+    assert choose(roomy, 2000, lambda trial: pytest.fail("not on the edge")).plan == "edge"
+
+
 def test_a_trial_reports_how_much_its_timed_steps_peaks_varied(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # warm-up: steps 0-1 (the minimum, 1, then one that shows the step time is stable); timed: the 5 after
     meter = _meter_run(monkeypatch, tmp_path, [1.0] * 8, peaks=iter([900, 200, 103, 101, 104, 102, 100, 101]),

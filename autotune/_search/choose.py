@@ -25,6 +25,9 @@ REMEASURE_TOP = 3
 CONTENDER_WITHIN = 0.15
 #: Rounds of re-measurement at most (each round measures every overlapping contender once more).
 REMEASURE_ROUNDS = 2
+#: A leader measured once whose peak is within this share of the budget is measured again before it is chosen: on
+#: the budget's edge, one run cannot tell whether the next (the user's) fits; two runs' spread is noise it must clear.
+EDGE_SHARE = 0.01
 #: The study's user attribute holding re-measurements: {"<trial number>": [run, ...]}.
 REMEASURED = "remeasured"
 #: The study's user attribute naming the chosen plan and its figures.
@@ -126,8 +129,8 @@ def figures(study: Any, budget_bytes: int) -> list[Figure]:
 
 
 def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, Any]]) -> Figure | None:
-    """The best plan after measuring again the contenders whose intervals overlap the leader's; the choice and its
-    figures are stored in the study (``chosen``). ``remeasure(trial)`` measures the trial's plan once more and
+    """The best plan after measuring again the contenders whose intervals overlap the leader's, and a leader measured
+    once on the budget's edge (``EDGE_SHARE``); the choice and its figures are stored in the study (``chosen``). ``remeasure(trial)`` measures the trial's plan once more and
     returns the run (see :func:`run_of`). None when no plan fits."""
     stored = remeasured_runs(study)
     for round_ in range(REMEASURE_ROUNDS):
@@ -137,7 +140,8 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         lead = ranked[0]
         contenders = [f for f in ranked[:REMEASURE_TOP] if f is lead or (
             f.overlaps(lead) and f.samples_per_second >= (1 - CONTENDER_WITHIN) * lead.samples_per_second)]
-        if len(contenders) == 1:
+        edge = len(lead.runs) == 1 and lead.peak_bytes > (1 - EDGE_SHARE) * budget_bytes
+        if len(contenders) == 1 and not edge:
             break
         for figure in contenders:
             if len(figure.runs) <= round_ + 1:  # each contender gets one more run per round
