@@ -290,11 +290,24 @@ def oracle(table: Table, target: str, names: list[str], budget_bytes: int, devic
 
 def run_ours(target: str, space: str, budget: str, device: str, trials: int, seed: int, tmp: Path) -> dict[str, Any]:
     """``autotune.search`` as shipped on a fresh study; its plan, wall time and measured trials in order."""
+    import optuna
+
     from autotune import search
+    from autotune._search.search import NoFeasiblePlanError
 
     start = time.perf_counter()
-    result = search(target=target, budget=budget, space=space, trials=trials, seed=seed, out=None, device=device,
-                    storage=f"sqlite:///{tmp / f'ours-{budget}-{trials}-{seed}.db'}", study="ours")
+    storage = f"sqlite:///{tmp / f'ours-{budget}-{trials}-{seed}.db'}"
+    try:
+        result = search(target=target, budget=budget, space=space, trials=trials, seed=seed, out=None, device=device,
+                        storage=storage, study="ours")
+    except NoFeasiblePlanError:  # no plan it measured fits (with room for its noise): no answer, ratio 0
+        study = optuna.load_study(study_name="ours", storage=storage)
+        ran = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("source") == "measured"]
+        return {"plan": None, "params": {}, "micro_batch_size": None, "wall_seconds": time.perf_counter() - start,
+                "measured": [t.user_attrs.get("plan") for t in ran],
+                "trial_seconds": sum(t.user_attrs.get("wall_seconds") or 0.0 for t in ran),
+                "parent_seconds": [t.user_attrs.get("parent_seconds") or 0.0 for t in ran],
+                "remeasured": sum(len(v) for v in study.user_attrs.get("remeasured", {}).values())}
     wall = time.perf_counter() - start
     ran = [t for t in result.study.get_trials(deepcopy=False) if t.user_attrs.get("source") == "measured"]
     return {"plan": result.plan.describe(), "params": dict(result.study.trials[result.trial_number].params),
@@ -375,7 +388,7 @@ def run_budget(args: argparse.Namespace, table: Table, name: str, budget_mib: in
             print(f"[{name}] {trials} trials, seed {seed} ...", file=sys.stderr, flush=True)
             o = run_ours(target, space_path, budget, dev, trials, seed, tmp)
             o["figure"] = figure_of(table, target, o, dev, args.oracle_runs)
-            o["oracle_peak"] = table.view(o["plan"])["peak_bytes"] if o["plan"] in table.rows else None
+            o["oracle_peak"] = table.view(o["plan"])["peak_bytes"] if o["plan"] in table.rows else None  # None: no plan
             r = run_random(table, target, space, budget_bytes, dev, trials, seed, auto)
             r["figure"] = figure_of(table, target, r, dev, args.oracle_runs)
             ours.append(o)
@@ -417,7 +430,7 @@ def report(results: dict[str, Any]) -> str:
         for trials, cell in b["by_trials"].items():
             ours, rand = cell["ours"], cell["random"]
             wall = statistics.median(o["wall_seconds"] for o in ours) / b["exhaustive_wall"]
-            chosen = sorted({o["plan"] for o in ours})
+            chosen = sorted({o["plan"] or "none (no plan fit)" for o in ours})
             rows.append([f"{b['budget_name']} {b['budget_mib']}", f"{b['plans_fit']}/{b['plans']}",
                          f"{b['best_plan']} ({b['best_sps']:.0f})", trials, _spread([o["ratio"] for o in ours]),
                          _spread([r["ratio"] for r in rand]), _reach([o["reach"] for o in ours], int(trials)),
@@ -425,7 +438,8 @@ def report(results: dict[str, Any]) -> str:
                          f"{statistics.median(x for o in ours for x in o['parent_seconds']):.2f}",
                          f"{statistics.median(o['remeasured'] for o in ours):.0f}",
                          f"{sum(1 for o in ours if (o.get('oracle_peak') or 0) > b['budget_bytes'])} of {len(ours)}",
-                         f"{min((b['budget_bytes'] - (o.get('oracle_peak') or 0)) / 2**20 for o in ours):.2f}",
+                         f"{min((b['budget_bytes'] - o['oracle_peak']) / 2**20 for o in ours if o.get('oracle_peak')):.2f}"
+                         if any(o.get("oracle_peak") for o in ours) else "-",
                          "; ".join(chosen)])
             median = statistics.median(o["ratio"] for o in ours)
             verdicts.append(f"{b['budget_name']}, {trials} trials: median {median:.3f} "

@@ -262,6 +262,7 @@ class _Objective:
         self._auto_cache: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch, and baseline
         self.estimator = SearchEstimator(target_obj, device)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
+        self._peak_noise: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch: its peaks' noise
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
@@ -337,6 +338,9 @@ class _Objective:
         result = run_trial(spec, timeout=self.trial_timeout)
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
+        if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
+            shape = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+            self._peak_noise[shape] = max(self._peak_noise.get(shape, 0), result.peak_noise_bytes)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
             if params.get("micro_batch_size") == AUTO:
@@ -426,9 +430,11 @@ class _Objective:
         plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
         self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
         # and by the calibrations: a measurement moves the baselines, and the choice with them
-        key = (*sorted((k, v) for k, v in params.items() if k != "micro_batch_size"), self.estimator.calibrations)
+        shape = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+        room = self.budget_bytes - self._peak_noise.get(shape, 0)  # a fit must clear the shape's measured noise
+        key = (*shape, self.estimator.calibrations, room)
         if key not in self._auto_cache:
-            self._auto_cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.target_obj.batch_size())
+            self._auto_cache[key] = self.estimator.largest_micro(plan, room, self.target_obj.batch_size())
         return self._auto_cache[key]
 
     def remeasure(self, trial: Any) -> dict[str, Any]:
