@@ -107,6 +107,11 @@ MUTATIONS = (
              "autotune/_search/rank.py", "self._batch, self.batch_sizes = longest_batch(self.target)",
              "self._batch, self.batch_sizes = longest_batch(self.target, batches=1)",
              ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
+    Mutation("trials-run-the-longest-batch", "a trial's peak covers the longest batch the search read",
+             "autotune/_search/search.py", "stop_below=stop_below, long_batch=self._long_batch())",
+             "stop_below=stop_below, long_batch=None)",
+             ("tests/test_search_shapes.py::test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_"
+              "infeasible",)),
     Mutation("soft-budget-peak-rides-on-the-vote", "a soft budget under DDP/FSDP2 adds no collective per step",
              "autotune/_runtime/microbatch.py",
              "        deferred = soft and not grow_due and self.agree.enabled and not shapes.agreed\n",

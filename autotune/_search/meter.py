@@ -54,8 +54,9 @@ class TrialResult:
     (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
     measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
     file-backed pages), the worst rank's under DDP. ``interval`` is the 95% interval of ``samples_per_second`` over this
-    run's timed steps (None when it is unbounded); ``warmup_steps`` how many steps ran before timing started (more than
-    asked while the step time was settling).
+    run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
+    search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
+    timing started (more than asked while the step time was settling).
 
     Example:
         >>> TrialResult("oom", reason="CUDA out of memory").status
