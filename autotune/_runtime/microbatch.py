@@ -23,14 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from autotune._compat import closure_result, forget_scaler_steps, set_closure_result
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.drain import CollectiveDrain
-from autotune._runtime.batch import (
-    batch_size_of, combine_outputs, scale_step_output, slice_batch, split_even, split_sizes,
-)
+from autotune._runtime.evaluation import EvalSteps
+from autotune._runtime.batch import batch_size_of, scale_step_output, slice_batch, split_even, split_sizes
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
 from autotune._runtime.events import (
-    _DIFFERENT_SPLITS, _HALF_APPLIED, _SHARDED_EVAL_OOM, _STEADY_OF_A_RANK, _WARN_ONCE, _WHY_OFF, _WHY_STEADY,
-    ElasticEvent,
+    _DIFFERENT_SPLITS, _HALF_APPLIED, _STEADY_OF_A_RANK, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
 )
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
@@ -56,7 +54,7 @@ def _info(msg: str) -> None:
     log.info(msg)
 
 
-class ElasticEngine:
+class ElasticEngine(EvalSteps):
     """Micro-batch size policy and the step runners; one per fit, owned by the callback."""
 
     def __init__(
@@ -468,47 +466,6 @@ class ElasticEngine:
             f"peak {format_bytes(self.meter.peak())}. Reduce memory per sample (precision, activation "
             "checkpointing), lower min_micro_batch_size, or raise the budget."
         )
-
-    # --------------------------------------------------------------------------------------------- evaluation
-    def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict,
-                      module: torch.nn.Module) -> Any:
-        """Run an evaluation step, splitting its batch after an OOM; the training micro-batch is not touched."""
-        n = batch_size_of(batch)
-        rng = RNGState()
-        metrics = self._metric_states(module)
-        while True:
-            micro = min(self.eval_micro_batch_size.get(stage, n or 1), n or 1)
-            sizes = split_sizes(n, micro) if n else [1]
-            self.logs.start()
-            try:
-                outputs, start = [], 0
-                for size in sizes:
-                    part = batch if len(sizes) == 1 else slice_batch(batch, start, start + size, n)
-                    self.logs.n = size
-                    outputs.append(step(part, *args, **kwargs))
-                    start += size
-            except BaseException as exc:
-                self.logs.discard()
-                if not is_oom_error(exc):
-                    raise
-                if self.sharded and self.agree.enabled:
-                    raise OutOfMemoryAtMinimumError(_SHARDED_EVAL_OOM.format(stage=stage)) from exc
-                if not n or micro <= 1:
-                    raise OutOfMemoryAtMinimumError(
-                        f"Out of memory in {stage} at the smallest evaluation split: batch size {n}, micro-batch "
-                        f"{micro}, budget {self.budget_text or 'none (no cap)'}, peak "
-                        f"{format_bytes(self.meter.peak())}."
-                    ) from exc
-                smaller = micro // 2
-            else:
-                self.logs.flush()
-                return combine_outputs(outputs, sizes)
-            outputs = []
-            release_memory((), self.device)
-            rng.restore()
-            metrics.restore()
-            self.eval_micro_batch_size[stage] = smaller
-            self._record("eval_oom", -1, micro, smaller, where=stage)
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
