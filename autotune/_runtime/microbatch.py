@@ -435,7 +435,7 @@ class ElasticEngine(EvalSteps):
         """Check the last step's peak, now agreed (the worst rank's), against the soft budget; unless the micro-batch
         changed since (a replay shrank it): that peak says nothing of the new one."""
         micro, size, global_step, _ = unsettled
-        if micro == self.micro_batch_size:
+        if micro == self.micro_batch_size:  # (deferred only where shapes do not vary: ``n`` is not read)
             self._over_budget(micro, size, worst_peak, global_step, micro)
 
     def _record(self, kind: str, step: int, previous: int, new: int, where: str = "", peak: int | None = None) -> None:

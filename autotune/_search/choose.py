@@ -95,6 +95,17 @@ def peak_noise(runs: list[dict[str, Any]]) -> int:
     return max(spread, *(int(r.get("peak_noise_bytes") or 0) for r in runs))
 
 
+def over_budget_by(peak: int, noise: int | None, budget_bytes: int) -> int:
+    """Bytes a peak is over the budget once its noise is counted (<= 0: it fits with room for its noise); the one rule
+    the choice, the trials' constraint and the report share.
+
+    Example:
+        >>> over_budget_by(95, 10, 100)
+        5
+    """
+    return peak + (noise or 0) - budget_bytes
+
+
 def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
     stored = study.user_attrs.get(REMEASURED, {})
     # Studies of earlier versions stored a bare samples/s per re-measurement.
@@ -119,7 +130,7 @@ def figures(study: Any, budget_bytes: int) -> list[Figure]:
             continue  # pruned, failed or out of memory in some run
         if peaks[0] is None or any(p is not None and p > budget_bytes for p in peaks):
             continue  # not known to fit, or over the budget in some run
-        if max(p or 0 for p in peaks) + peak_noise(runs) > budget_bytes:
+        if over_budget_by(max(p or 0 for p in peaks), peak_noise(runs), budget_bytes) > 0:
             continue  # within its peak's noise of the budget: another run (the user's) may well be over it
         mean, low, high = combine(runs)
         first = trials[0]
@@ -130,8 +141,9 @@ def figures(study: Any, budget_bytes: int) -> list[Figure]:
 
 def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, Any]]) -> Figure | None:
     """The best plan after measuring again the contenders whose intervals overlap the leader's, and a leader measured
-    once on the budget's edge (``EDGE_SHARE``); the choice and its figures are stored in the study (``chosen``). ``remeasure(trial)`` measures the trial's plan once more and
-    returns the run (see :func:`run_of`). None when no plan fits."""
+    once on the budget's edge (``EDGE_SHARE``); the choice and its figures are stored in the study (``chosen``).
+    ``remeasure(trial)`` measures the trial's plan once more and returns the run (see :func:`run_of`). None when no
+    plan fits."""
     stored = remeasured_runs(study)
     for round_ in range(REMEASURE_ROUNDS):
         ranked = figures(study, budget_bytes)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune._device.budget import format_bytes
-from autotune._search.choose import chosen, remeasured_runs
+from autotune._search.choose import chosen, over_budget_by, remeasured_runs
 from autotune._search.storage import open_storage
 
 
@@ -42,7 +42,8 @@ def _rows(study: Any) -> list[dict[str, Any]]:
         attrs = t.user_attrs
         peak = attrs.get("peak_bytes")
         fits = None if peak is None or budget is None else (  # within its peak's noise of the budget: not a fit
-            peak + (attrs.get("peak_noise_bytes") or 0) <= budget and attrs.get("status") in ("ok", "pruned"))
+            over_budget_by(peak, attrs.get("peak_noise_bytes"), budget) <= 0
+            and attrs.get("status") in ("ok", "pruned"))
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),

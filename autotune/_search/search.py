@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
 from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
-from autotune._search.choose import Figure, choose, figures, run_of
+from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
 from autotune._search.rank import (
     SearchEstimator,
     guided_trials,
@@ -339,14 +339,14 @@ class _Objective:
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
         if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
-            shape = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+            shape = _shape_key(params)
             self._peak_noise[shape] = max(self._peak_noise.get(shape, 0), result.peak_noise_bytes)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
             if params.get("micro_batch_size") == AUTO:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget, or within its peak's noise of it), so its choice moves: try it again, next
-                fits = result.peak_bytes + (result.peak_noise_bytes or 0) <= self.budget_bytes
+                fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
                 again = self._auto_micro(params)
                 if (fits and again > micro) or (not fits and again < micro):
                     trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
@@ -388,7 +388,7 @@ class _Objective:
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
         elif peak is not None:  # within its measured noise of the budget counts as over it
-            over = (peak + (result.peak_noise_bytes or 0) - self.budget_bytes) / self.budget_bytes
+            over = over_budget_by(peak, result.peak_noise_bytes, self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
         trial.set_constraint("memory", over)  # every path: feasible when <= 0
@@ -430,7 +430,7 @@ class _Objective:
         plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
         self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
         # and by the calibrations: a measurement moves the baselines, and the choice with them
-        shape = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+        shape = _shape_key(params)
         room = self.budget_bytes - self._peak_noise.get(shape, 0)  # a fit must clear the shape's measured noise
         key = (*shape, self.estimator.calibrations, room)
         if key not in self._auto_cache:
@@ -442,6 +442,11 @@ class _Objective:
         plan = plan_from_params(trial.params, micro_batch_size=trial.user_attrs.get("micro_batch_size"),
                                 **sharded_devices(trial.params, self.devices))
         return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
+
+
+def _shape_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    """A point's settings but its micro-batch: what ``auto`` chooses the micro-batch of."""
+    return tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
 
 
 def _at_largest_samples(plan: Plan, sizes: BatchSizes | None, predicted: int | None, budget_bytes: int) -> Plan:
