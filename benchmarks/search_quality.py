@@ -1,8 +1,9 @@
 """Search quality: ``autotune.search`` against exhaustive search and random search over the same space.
 
-One model and budget at a time (the GPT example; budgets from its plans' peaks: ``loose`` fits every plan, a pure
-speed search; ``tight`` is the middle of the widest gap between plans' peaks below the naive plan's, fp32 with the
-whole batch, so that the plans that fit do not change with a MiB of resident-set noise):
+One model and budget at a time (the GPT example, or with ``--target long`` the same at a 4x longer context; budgets
+from its plans' peaks: ``loose`` fits every plan, a pure speed search; ``tight`` is the middle of the widest gap
+between plans' peaks below the naive plan's, fp32 with the whole batch, so that the plans that fit do not change with
+a MiB of resident-set noise):
 
 - **exhaustive**: every distinct plan of the space (``SearchSpace.points()``; ``auto`` resolved as the search
   resolves it) measured once with ``autotune.measure_plan``, the search's own noise-aware trial (warm-up until step
@@ -30,6 +31,7 @@ Usage::
 
     python benchmarks/search_quality.py --quick               # the tight budget, 3 seeds, 6 trials
     python benchmarks/search_quality.py --quick --load 1      # the same beside one busy process (a noisy machine)
+    python benchmarks/search_quality.py --quick --target long # the GPT at a 4x longer context: fits clear the noise
     python benchmarks/search_quality.py                       # both budgets, 5 seeds, 6 and 12 trials
     python benchmarks/search_quality.py --device cuda --json search_quality.json
 """
@@ -54,7 +56,8 @@ if _HERE not in sys.path:  # _common.py, also when this file is loaded by path
     sys.path.insert(0, _HERE)
 
 from _common import (  # noqa: E402
-    GPT_TARGET as GPT,
+    GPT_TARGET,
+    HERE,
     add_device,
     add_json,
     add_threads,
@@ -77,6 +80,8 @@ REACH_SHARE = 0.95
 ORACLE_WITHIN = 0.10
 #: The ``micro_batch_size`` choice the search resolves with the estimator.
 AUTO = "auto"
+#: ``--target``: the GPT example, and the same at a 4x longer context, whose plans' peaks lie MiBs apart.
+TARGETS = {"gpt": GPT_TARGET, "long": f"{HERE / 'long_context.py'}:make"}
 
 
 def _fits(row: dict[str, Any], budget_bytes: int) -> bool:
@@ -368,7 +373,7 @@ def run_budget(args: argparse.Namespace, table: Table, name: str, budget_mib: in
 
     from autotune import load_space, load_target
 
-    target, dev = GPT, args.device
+    target, dev = TARGETS[args.target], args.device
     budget, budget_bytes = f"{budget_mib}MiB", budget_mib * 2**20
     batch_size = load_target(target).batch_size()
     space = load_space(space_path).for_device(torch.device(dev), batch_size=batch_size)
@@ -447,7 +452,8 @@ def report(results: dict[str, Any]) -> str:
     goals = f"goals: median tuned/best >= {GOAL_QUALITY}, wall ratio <= {GOAL_WALL}: " + "; ".join(verdicts)
     load = (f"load generator: {results['load']} busy process(es) beside the benchmark for its whole run"
             if results.get("load") else "no load generator")
-    return "\n".join([machine_line(results["machine"]), f"commit {results['commit']}", load, "",
+    target = f"target: {TARGETS[results.get('target', 'gpt')]}"
+    return "\n".join([machine_line(results["machine"]), f"commit {results['commit']}", target, load, "",
                       markdown_table(rows[0], rows[1:], pad=True), "", goals,
                       f"total wall time {results['wall_seconds']:.0f} s"])
 
@@ -458,6 +464,8 @@ def report(results: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the tight budget, 3 seeds, 6 trials")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="gpt",
+                        help="the GPT example (default), or the same at a 4x longer context (long_context.py)")
     add_device(parser)
     add_threads(parser, "intra-op threads per trial (default: 1 on CPU, torch's default on CUDA)")
     parser.add_argument("--seeds", type=int, default=None, help="sampler seeds (default 5, 3 with --quick)")
@@ -511,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     start = time.perf_counter()
     results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "commit": _commit(),
-                               "budgets": [], "load": args.load}
+                               "budgets": [], "load": args.load, "target": args.target}
     table = Table()
     with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp, busy_processes(args.load):
         import torch
@@ -519,11 +527,11 @@ def main(argv: list[str] | None = None) -> int:
         from autotune import load_space, load_target
 
         space_name = "cpu" if args.device == "cpu" else "default"
-        batch_size = load_target(GPT).batch_size()
+        batch_size = load_target(TARGETS[args.target]).batch_size()
         space = load_space(space_name).for_device(torch.device(args.device), batch_size=batch_size)
         pass_wall: dict[str, float] = {}
         print("exhaustive pass (loose budget) ...", file=sys.stderr, flush=True)
-        exhaustive(table, GPT, space, "1024GiB", 1024 * 2**30, args.device, batch_size)
+        exhaustive(table, TARGETS[args.target], space, "1024GiB", 1024 * 2**30, args.device, batch_size)
         budgets = choose_budgets([table.view(n) for n in table.rows], batch_size)
         for name in args.budgets:
             results["budgets"].append(run_budget(args, table, name, budgets[name], space_name, Path(tmp), pass_wall))

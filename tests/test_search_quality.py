@@ -101,3 +101,17 @@ def test_a_trials_interval_holds_the_true_throughput(tmp_path: Path) -> None:
     held = [r["interval"][0] <= truth <= r["interval"][1] for r in runs]
     assert sum(held) >= 12, (result["pace"], [(round(r["samples_per_second"]), r["interval"]) for r in runs])
     assert all(r["interval"][1] - r["interval"][0] < 0.3 * truth for r in runs)  # not vacuous: within +-15%
+
+
+def test_the_long_context_benchmark_target_spaces_its_plans_mibs_apart() -> None:
+    """``search_quality.py --target long`` rests on this: the target's plans differ by MiBs per sample, far more than
+    the few hundred KiB a CPU peak moves between runs (docs/benchmarks.md, "Under noise")."""
+    from autotune import Plan, estimate, load_target
+
+    target = load_target(f"{ROOT.parent / 'benchmarks' / 'long_context.py'}:make")
+    assert (target.model.tokens_per_sample, target.batch_size()) == (128, 32)
+    target.datamodule.setup("fit")
+    batch = next(iter(target.datamodule.train_dataloader()))
+    peaks = [estimate(model=target.model, batch=batch, plan=Plan(micro_batch_size=m), device="cpu").predicted_peak_bytes
+             for m in (8, 16)]
+    assert (peaks[1] - peaks[0]) / 8 > 2**20, peaks  # 1.5 MiB per sample (the example: 0.4)
