@@ -10,19 +10,27 @@ every sample was seen once per step, ``global_step`` against the number of batch
 to the same steps computed on whole batches by plain Lightning (dropout 0; in float64 on the CPU, where fp32's
 summation order would otherwise show). The ``fixed`` rows run the same callback
 told that every batch has one size (``sample_size=lambda batch: 1.0``): the micro-batch policy before shapes counted.
+The *memory* rule (CUDA only) raises nothing: a larger model of the same kind (``MEMORY_MODEL``, float64) trains
+under an allocator cap (``torch.cuda.set_per_process_memory_fraction``, set before ``fit``, which the default
+callback takes as its limit) of ``MEMORY_ROOM`` x the peak of a whole typical batch's step, so the longest batches
+run out of real memory; its "fewest" comes from probing, under the same cap, the largest micro-batch whose forward
+and backward run at each padded length.
 "shape model us/step" is the host time of the model's per-step work (the batch's sample size, the split's choice,
 taking note of the step), timed by wrapping those calls.
 
     python benchmarks/dynamic_padding.py            # 240 steps per run, seeds 0-2
     python benchmarks/dynamic_padding.py --quick    # 60 steps, seed 0 (what the test suite runs)
-    python benchmarks/dynamic_padding.py --device cuda   # the same simulated rules on a GPU (no real-memory rule yet)
+    python benchmarks/dynamic_padding.py --device cuda   # the simulated rules and the real-memory rule on a GPU
+    python benchmarks/dynamic_padding.py --device cuda --quick --rule memory   # real memory only, 60 steps
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +49,92 @@ MODEL = {"vocab_size": 64, "width": 32, "heads": 2, "layers": 1, "dropout": 0.0,
 CAPACITY = {"tokens": int(BATCH * SHORT * 1.3), "length2": 2 * LONGEST**2}
 #: Goals of the issue: at most this many OOMs and this ratio to the fewest micro-batches over 240 steps.
 GOAL_OOMS, GOAL_RATIO = 6, 1.15
+#: The real-memory rule (CUDA): a model whose longest batch needs about a GiB in float64 (so the allocator's 2 MiB
+#: rounding is noise), capped at this share over a whole typical batch's step peak.
+MEMORY_MODEL = {"vocab_size": 4096, "width": 256, "heads": 8, "layers": 4, "dropout": 0.0, "lr": 3e-3}
+MEMORY_ROOM = 1.3
 
 
 def _cost(rule: str, samples: int, length: int) -> int:
     return samples * length if rule == "tokens" else samples * length * length
 
 
-def fewest(rule: str, length: int) -> int:
-    """The fewest micro-batches that fit a batch of ``BATCH`` samples padded to ``length`` under ``rule``."""
+def fewest(rule: str, length: int, memory: RealMemory | None = None) -> int:
+    """The fewest micro-batches that fit a batch of ``BATCH`` samples padded to ``length`` under ``rule`` (``memory``:
+    the real-memory rule's probed sizes)."""
+    if rule == "memory":
+        if memory is None:
+            raise ValueError("the memory rule's fewest micro-batches need its probe (RealMemory)")
+        return math.ceil(BATCH / memory.largest[length])
     largest = max(m for m in range(1, BATCH + 1) if m == 1 or _cost(rule, m, length) <= CAPACITY[rule])
     return math.ceil(BATCH / largest)
+
+
+class RealMemory:
+    """The memory rule's cap on a CUDA device and, under it, the largest micro-batch whose forward and backward run at
+    each padded length (probed once on a copy of the model with its gradients and AdamW state allocated, as in a step
+    after the first; the probe's model is freed before training)."""
+
+    def __init__(self, device: str) -> None:
+        import gc
+
+        import torch
+
+        self.device = torch.device(device)
+        _, PaddedLM, _ = _imports()
+        torch.manual_seed(0)
+        model = PaddedLM(**MEMORY_MODEL, max_length=LONGEST).to(device=self.device, dtype=torch.float64)
+        optimizer = model.configure_optimizers()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._fits(model, BATCH, SHORT)  # a whole typical batch, uncapped: its step's peak sets the cap
+        optimizer.step()
+        self.typical_peak = torch.cuda.max_memory_reserved(self.device)
+        self.cap = int(MEMORY_ROOM * self.typical_peak)
+        self.fraction = self.cap / torch.cuda.mem_get_info(self.device)[1]
+        self.largest: dict[int, int] = {}
+        with self.capped():
+            micro = BATCH
+            for length in range(1, LONGEST + 1):  # what fits only shrinks as the length grows
+                while micro > 1 and not self._fits(model, micro, length):
+                    micro -= 1
+                self.largest[length] = micro
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _fits(self, model: Any, samples: int, length: int) -> bool:
+        import torch
+
+        try:
+            ids = torch.randint(1, MEMORY_MODEL["vocab_size"], (samples, length), device=self.device)
+            model.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}).backward()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            ids = None  # the batch and any activations an OOM left referenced go before the next probe
+            torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def capped(self) -> Iterator[None]:
+        """The allocator capped at ``cap`` while the block runs (the previous fraction back after it)."""
+        import torch
+
+        before = torch.cuda.get_per_process_memory_fraction(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, self.device)
+            torch.cuda.empty_cache()
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (f"memory rule: allocator cap {self.cap / mib:.0f} MiB ({MEMORY_ROOM} x the whole typical batch's step "
+                f"peak, {self.typical_peak / mib:.0f} MiB); largest micro-batch that fits: "
+                + ", ".join(f"length {n}: {self.largest[n]}" for n in (SHORT, 2 * SHORT, LONGEST // 2, LONGEST)))
 
 
 def _imports() -> tuple[Any, Any, Any]:
@@ -62,10 +146,11 @@ def _imports() -> tuple[Any, Any, Any]:
     return PaddedTokens, PaddedLM, pad_collate
 
 
-def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu") -> dict[str, Any]:
-    """One training run of ``steps`` steps under ``rule`` ("tokens", "length2", or any other name: no rule),
-    ``policy`` "shape" (the callback's defaults) or "fixed" (every batch told it has one size); with "reference" no
-    callback and no rule: whole batches, plain Lightning."""
+def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu",
+        memory: RealMemory | None = None) -> dict[str, Any]:
+    """One training run of ``steps`` steps under ``rule`` ("tokens", "length2", "memory": ``memory``'s cap, or any
+    other name: no rule), ``policy`` "shape" (the callback's defaults) or "fixed" (every batch told it has one size);
+    with "reference" no callback and no rule: whole batches, plain Lightning (``memory`` given: its model)."""
     import lightning as L
     import torch
 
@@ -124,7 +209,7 @@ def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu") -
     L.seed_everything(seed, verbose=False)
     data = PaddedTokens(vocab_size=MODEL["vocab_size"], batch_size=BATCH, short=SHORT, longest=LONGEST,
                         num_samples=steps * BATCH, seed=seed)
-    model = Faulty(**MODEL, max_length=LONGEST)
+    model = Faulty(**(MEMORY_MODEL if memory is not None else MODEL), max_length=LONGEST)
     model.attempts = []
     data.train_dataloader = _with_ids(data)  # type: ignore[method-assign]
     elastic = None
@@ -133,23 +218,25 @@ def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu") -
     elif policy == "fixed":
         elastic = ElasticBatchSize(sample_size=lambda batch: 1.0)
     record = Record()
-    # 64-bit on the CPU: a split sums a batch's gradient in another order than a whole batch, and AdamW turns fp32's
-    # rounding of that into differences of 1e-4 over a few hundred steps; in float64 only the method's error is left.
-    precision = "64-true" if device == "cpu" else "32-true"
+    # 64-bit on the CPU and for real memory: a split sums a batch's gradient in another order than a whole batch, and
+    # AdamW turns fp32's rounding of that into differences of 1e-4 over a few hundred steps; in float64 only the
+    # method's error is left.
+    precision = "64-true" if device == "cpu" or memory is not None else "32-true"
     trainer = L.Trainer(accelerator=device, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         precision=precision,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[c for c in (elastic, record) if c is not None])
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    with memory.capped() if memory is not None and rule == "memory" else contextlib.nullcontext():
+        trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - start
-    rule_for_count = rule if rule in CAPACITY else None
+    rule_for_count = rule if rule in CAPACITY or rule == "memory" else None
     return {
         "rule": rule, "policy": policy, "seed": seed, "steps": steps, "wall_s": wall,
         "global_step": trainer.global_step, "batches": len(record.lengths),
         "ooms": elastic.engine.oom_events if elastic is not None and elastic.engine is not None else 0,
         "micro_batches": record.micro_batches,
-        "fewest": sum(fewest(rule_for_count, n) for n in record.lengths) if rule_for_count else None,
+        "fewest": sum(fewest(rule_for_count, n, memory) for n in record.lengths) if rule_for_count else None,
         "every_sample_once": record.exact,
         "weights": [p.detach().cpu().clone() for p in model.parameters()],
         "longest_batch": max(record.lengths), "shortest_batch": min(record.lengths),
@@ -176,14 +263,20 @@ def _with_ids(data: Any) -> Any:
     return loader
 
 
-def measure(*, rules: list[str], steps: int, seeds: list[int], device: str) -> list[dict[str, Any]]:
-    """Every rule x policy x seed, each beside the same seed's whole-batch reference."""
+def measure(*, rules: list[str], steps: int, seeds: list[int], device: str,
+            memory: RealMemory | None = None) -> list[dict[str, Any]]:
+    """Every rule x policy x seed, each beside the same seed's whole-batch reference (of its own model)."""
     rows = []
     for seed in seeds:
-        reference = run(rule="none", policy="reference", steps=steps, seed=seed, device=device)
+        references: dict[bool, dict[str, Any]] = {}
         for rule in rules:
+            real = memory if rule == "memory" else None
+            if (real is not None) not in references:
+                references[real is not None] = run(rule="none", policy="reference", steps=steps, seed=seed,
+                                                   device=device, memory=real)
+            reference = references[real is not None]
             for policy in ("shape", "fixed"):
-                result = run(rule=rule, policy=policy, steps=steps, seed=seed, device=device)
+                result = run(rule=rule, policy=policy, steps=steps, seed=seed, device=device, memory=real)
                 result["max_weight_diff"] = max(float((a - b).abs().max())
                                                 for a, b in zip(result.pop("weights"), reference["weights"]))
                 result["ratio"] = (result["micro_batches"] / result["fewest"]) if result["fewest"] else None
@@ -203,7 +296,8 @@ def report(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
                      f"{r['shortest_batch']}-{r['longest_batch']}", f"{r['host_us_per_step']:.0f}",
                      f"{r['wall_s']:.1f}"])
     shape = [r for r in rows if r["policy"] == "shape" and r["ratio"]]
-    lines = [machine_line(info), "", markdown_table(header, body), ""]
+    lines = [machine_line(info), *([info["memory_rule"]] if info.get("memory_rule") else []), "",
+             markdown_table(header, body), ""]
     if shape:
         worst_ooms = max(r["ooms"] for r in shape)
         worst_ratio = max(r["ratio"] for r in shape)
@@ -219,17 +313,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="60 steps, seed 0")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--rule", action="append", choices=["tokens", "length2"],
-                        help="the memory rule(s) to run (default: both)")
+    parser.add_argument("--rule", action="append", choices=["tokens", "length2", "memory"],
+                        help="the memory rule(s) to run (default: tokens and length2, and memory on CUDA)")
     add_json(parser)
     args = parser.parse_args(argv)
+    rules = args.rule or ["tokens", "length2", *(["memory"] if args.device == "cuda" else [])]
+    if "memory" in rules and args.device != "cuda":
+        parser.error("--rule memory needs --device cuda (a real allocator cap); on a CPU use tokens or length2")
     quiet()
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
     torch.set_num_threads(1)
     steps, seeds = (60, [0]) if args.quick else (240, [0, 1, 2])
     info = machine(args.device)
-    rows = measure(rules=args.rule or ["tokens", "length2"], steps=steps, seeds=seeds, device=args.device)
+    memory = RealMemory(args.device) if "memory" in rules else None
+    if memory is not None:
+        info["memory_rule"] = memory.describe()
+    rows = measure(rules=rules, steps=steps, seeds=seeds, device=args.device, memory=memory)
     print(report(rows, info))
     write_json(args.json, {"machine": info, "rows": rows})
     return 0

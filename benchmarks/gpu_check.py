@@ -16,7 +16,8 @@ traceback: ``-rA`` output and a junit XML). Steps:
 3. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
 4. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
    CPU: its options only, a run takes minutes).
-5. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules).
+5. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
+   under an allocator cap; ``--quick``: the tokens rule, and real memory on a GPU).
 6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
    16 GiB cap, with MFU from its trials (``--quick``: the small GPT example under 2 GiB, 2 trials).
 7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
@@ -81,7 +82,8 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
                                                    *([] if cpu_quick else ["--json", str(out / "overhead.json")])],
              900),
         Step("dynamic padding", [python, "benchmarks/dynamic_padding.py", "--device", device,
-                                 *(["--quick", "--rule", "tokens"] if quick else []),
+                                 *(["--quick", "--rule", "tokens", *(["--rule", "memory"] if cuda else [])]
+                                   if quick else []),
                                  "--json", str(out / "dynamic_padding.json")], 900),
         Step("realistic search", search, 1500),
         Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,

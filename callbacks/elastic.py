@@ -45,7 +45,9 @@ class ElasticBatchSize(Callback):
 
     Args:
         budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's total
-            like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only. On CUDA the budget is a
+            like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only (on CUDA the device's
+            memory, or the cap of ``set_per_process_memory_fraction`` where one is set before fit, is then the limit
+            that growing and the shape model work to). On CUDA the budget is a
             hard cap on the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so a large GPU behaves
             like a smaller one. On CPU it is soft: the step's peak resident set net of file-backed pages (``VmHWM -
             RssFile``) is checked after the step and an overshoot halves the micro-batch of the next step.
@@ -198,7 +200,12 @@ class ElasticBatchSize(Callback):
     def _resolve_budget(self, device: torch.device) -> tuple[int | None, int | None]:
         probe = probe_memory(device)
         if self.budget is None:
-            return None, probe.total_bytes if device.type == "cuda" else probe.free_bytes
+            if device.type != "cuda":
+                return None, probe.free_bytes
+            # A cap set before fit (``set_per_process_memory_fraction``: by the user, a launcher, a shared node's
+            # policy) is where this process's allocator runs out: the limit the growth and the shape model work to.
+            capped = int(torch.cuda.get_per_process_memory_fraction(device) * torch.cuda.mem_get_info(device)[1])
+            return None, min(probe.total_bytes, capped)
         budget_bytes = self.budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
         if device.type == "cuda":
             allocator_total = torch.cuda.mem_get_info(device)[1]  # what the fraction multiplies (NVML's may differ)

@@ -36,3 +36,57 @@ def test_gpu_check_refuses_cuda_without_a_gpu_in_one_line() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("gpu_check: --device cuda but torch sees no CUDA device; use --device cpu --quick "
                                    "for the plumbing")
+
+
+def test_the_quick_check_runs_dynamic_padding_on_real_memory_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import steps
+
+    def padding(device: str) -> list[str]:
+        return next(s.command for s in steps(device, True, ROOT) if s.name == "dynamic padding")
+
+    assert padding("cuda")[-6:-2] == ["--rule", "tokens", "--rule", "memory"]
+    assert "memory" not in padding("cpu")
+
+
+def test_dynamic_paddings_memory_rule_refuses_the_cpu_in_one_line() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/dynamic_padding.py", "--rule", "memory"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("dynamic_padding.py: error: --rule memory needs --device cuda (a "
+                                                    "real allocator cap); on a CPU use tokens or length2")
+
+
+def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real-memory rule's plumbing (probe, cap, capped runs, the fewest micro-batches) on a CPU, the CUDA allocator's
+    calls played by a fake cap: a micro-batch over 700 tokens raises torch.OutOfMemoryError in the model's loss while
+    the cap is set, as the caching allocator would. On a GPU the same code meets the real allocator."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import dynamic_padding as dp
+
+    cap = {"fraction": 1.0}
+    for name, fake in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
+                       ("max_memory_reserved", lambda device=None: 300 * 2**20),
+                       ("mem_get_info", lambda device=None: (10 * 2**30, 10 * 2**30)),
+                       ("get_per_process_memory_fraction", lambda device=None: cap["fraction"]),
+                       ("set_per_process_memory_fraction", lambda f, device=None: cap.update(fraction=f))):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    _, padded_lm, _ = dp._imports()
+    loss = padded_lm.loss
+
+    def capped_loss(self: object, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if cap["fraction"] < 1.0 and batch["input_ids"].numel() > 700:
+            raise torch.OutOfMemoryError("CUDA out of memory (played)")
+        return loss(self, batch)
+
+    monkeypatch.setattr(padded_lm, "loss", capped_loss)
+    monkeypatch.setattr(dp, "MEMORY_MODEL", dict(dp.MODEL))  # the small model: this is about the plumbing
+    memory = dp.RealMemory("cpu")
+    assert memory.cap == int(1.3 * 300 * 2**20) and cap["fraction"] == 1.0  # the cap is set only while probing
+    assert [memory.largest[n] for n in (16, 32, 64, 128)] == [32, 21, 10, 5]  # 700 // length, at most 32
+    (shape,) = [r for r in dp.measure(rules=["memory"], steps=20, seeds=[0], device="cpu", memory=memory)
+                if r["policy"] == "shape"]
+    assert shape["ooms"] >= 1 and shape["every_sample_once"] and shape["global_step"] == 20
+    assert shape["micro_batches"] >= shape["fewest"] > 20  # the long batches need several micro-batches
+    assert shape["max_weight_diff"] < 1e-9 and cap["fraction"] == 1.0

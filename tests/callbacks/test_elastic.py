@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -375,6 +377,36 @@ def test_real_cuda_oom_under_a_hard_cap_recovers() -> None:
     assert cb.events and all(e.kind == "oom" for e in cb.events)
     assert model.sizes[-1] == cb.micro_batch_size < 16384
     assert torch.cuda.max_memory_reserved() <= 2 * 2**30
+
+
+def test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No budget on CUDA: the limit that growth and the shape model work to is the device's memory, or the allocator's
+    per-process cap where one is set (read from torch, as the callback reads it on a GPU)."""
+    from autotune.callbacks import elastic as installed
+
+    total = 80 * 2**30
+    probe = types.SimpleNamespace(total_bytes=total, free_bytes=total)
+    monkeypatch.setattr(installed, "probe_memory", lambda device: probe)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    cuda = torch.device("cuda", 0)
+    for fraction, limit in ((1.0, total), (0.25, total // 4)):
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
+        assert ElasticBatchSize()._resolve_budget(cuda) == (None, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_cap_set_before_fit_is_the_default_callbacks_limit() -> None:
+    total = torch.cuda.mem_get_info(0)[1]
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    torch.cuda.set_per_process_memory_fraction(0.25, 0)
+    try:
+        cb = ElasticBatchSize()
+        t = trainer([cb], accelerator="cuda", max_steps=1)
+        t.fit(ToyModel(), loader(16, 8))
+        assert cb.engine.limit_bytes == int(0.25 * total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, 0)
 
 
 class Counted(ToyModel):
