@@ -135,6 +135,10 @@ MUTATIONS = (
              "autotune/_estimate/workspace.py", " or _onednn_conv(func, args))", ")",
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[convnext-none]",)),
+    Mutation("cuda-cap-is-the-limit", "without a budget, a CUDA cap set before fit is the limit the runtime works to",
+             "callbacks/elastic.py", "            return None, min(probe.total_bytes, capped)\n",
+             "            return None, probe.total_bytes\n",
+             (ELASTIC + "test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit",)),
 )
 
 
