@@ -12,9 +12,9 @@ summation order would otherwise show). The ``fixed`` rows run the same callback
 told that every batch has one size (``sample_size=lambda batch: 1.0``): the micro-batch policy before shapes counted.
 The *memory* rule (CUDA only) raises nothing: a larger model of the same kind (``MEMORY_MODEL``, float64) trains
 under an allocator cap (``torch.cuda.set_per_process_memory_fraction``, set before ``fit``, which the default
-callback takes as its limit) of ``MEMORY_ROOM`` x the peak of a whole typical batch's step, so the longest batches
-run out of real memory; its "fewest" comes from probing, under the same cap, the largest micro-batch whose forward
-and backward run at each padded length.
+callback takes as its limit) of ``MEMORY_ROOM`` x the peak of a steady whole-batch step at twice the typical length,
+so the longest batches run out of real memory; its "fewest" comes from probing, under the same cap, the largest
+micro-batch whose forward and backward run at each padded length (a binary search per length).
 "shape model us/step" is the host time of the model's per-step work (the batch's sample size, the split's choice,
 taking note of the step), timed by wrapping those calls.
 
@@ -49,10 +49,11 @@ MODEL = {"vocab_size": 64, "width": 32, "heads": 2, "layers": 1, "dropout": 0.0,
 CAPACITY = {"tokens": int(BATCH * SHORT * 1.3), "length2": 2 * LONGEST**2}
 #: Goals of the issue: at most this many OOMs and this ratio to the fewest micro-batches over 240 steps.
 GOAL_OOMS, GOAL_RATIO = 6, 1.15
-#: The real-memory rule (CUDA): a model whose longest batch needs about a GiB in float64 (so the allocator's 2 MiB
-#: rounding is noise), capped at this share over a whole typical batch's step peak.
-MEMORY_MODEL = {"vocab_size": 4096, "width": 256, "heads": 8, "layers": 4, "dropout": 0.0, "lr": 3e-3}
-MEMORY_ROOM = 1.3
+#: The real-memory rule (CUDA): a model (21M parameters, float64) whose cap is over a GiB, so that the allocator's
+#: 20 MiB segments are a small step of it, and whose longest batch needs a few GiB; capped at ``MEMORY_ROOM`` x the peak
+#: of a steady whole-batch step at ``MEMORY_FIT_LENGTH`` tokens (most batches run whole, the longest need several).
+MEMORY_MODEL = {"vocab_size": 8192, "width": 512, "heads": 8, "layers": 4, "dropout": 0.0, "lr": 3e-3}
+MEMORY_ROOM, MEMORY_FIT_LENGTH = 1.1, 2 * SHORT
 
 
 def _cost(rule: str, samples: int, length: int) -> int:
@@ -81,24 +82,30 @@ class RealMemory:
         import torch
 
         self.device = torch.device(device)
+        # The fraction calls take an index (``cuda`` alone is refused); the others accept either.
+        self.index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else 0)
         _, PaddedLM, _ = _imports()
         torch.manual_seed(0)
         model = PaddedLM(**MEMORY_MODEL, max_length=LONGEST).to(device=self.device, dtype=torch.float64)
         optimizer = model.configure_optimizers()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._fits(model, BATCH, SHORT)  # a whole typical batch, uncapped: its step's peak sets the cap
-        optimizer.step()
-        self.typical_peak = torch.cuda.max_memory_reserved(self.device)
-        self.cap = int(MEMORY_ROOM * self.typical_peak)
+        for step in range(2):  # the second step is a steady one: AdamW's state is there through forward and backward
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._fits(model, BATCH, MEMORY_FIT_LENGTH)  # uncapped: a steady step's peak at this length sets the cap
+            optimizer.step()
+        self.steady_peak = torch.cuda.max_memory_reserved(self.device)
+        self.cap = int(MEMORY_ROOM * self.steady_peak)
         self.fraction = self.cap / torch.cuda.mem_get_info(self.device)[1]
         self.largest: dict[int, int] = {}
         with self.capped():
-            micro = BATCH
-            for length in range(1, LONGEST + 1):  # what fits only shrinks as the length grows
-                while micro > 1 and not self._fits(model, micro, length):
-                    micro -= 1
-                self.largest[length] = micro
+            for length in range(1, LONGEST + 1):  # a binary search per length: one odd failure stays local
+                low, high = 1, BATCH  # the answer lies in [low, high]; 1 is the floor whatever happens
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    low, high = (middle, high) if self._fits(model, middle, length) else (low, middle - 1)
+                self.largest[length] = low
         del model, optimizer
         gc.collect()
         torch.cuda.empty_cache()
@@ -121,20 +128,20 @@ class RealMemory:
         """The allocator capped at ``cap`` while the block runs (the previous fraction back after it)."""
         import torch
 
-        before = torch.cuda.get_per_process_memory_fraction(self.device)
+        before = torch.cuda.get_per_process_memory_fraction(self.index)
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
+        torch.cuda.set_per_process_memory_fraction(self.fraction, self.index)
         try:
             yield
         finally:
-            torch.cuda.set_per_process_memory_fraction(before, self.device)
+            torch.cuda.set_per_process_memory_fraction(before, self.index)
             torch.cuda.empty_cache()
 
     def describe(self) -> str:
         mib = 2**20
-        return (f"memory rule: allocator cap {self.cap / mib:.0f} MiB ({MEMORY_ROOM} x the whole typical batch's step "
-                f"peak, {self.typical_peak / mib:.0f} MiB); largest micro-batch that fits: "
-                + ", ".join(f"length {n}: {self.largest[n]}" for n in (SHORT, 2 * SHORT, LONGEST // 2, LONGEST)))
+        return (f"memory rule: allocator cap {self.cap / mib:.0f} MiB ({MEMORY_ROOM} x a steady whole-batch step's peak "
+                f"at length {MEMORY_FIT_LENGTH}, {self.steady_peak / mib:.0f} MiB); largest micro-batch that fits: "
+                + ", ".join(f"length {n}: {self.largest[n]}" for n in (SHORT, 2 * SHORT, LONGEST // 2, LONGEST - 1)))
 
 
 def _imports() -> tuple[Any, Any, Any]:

@@ -66,11 +66,20 @@ def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_th
     import dynamic_padding as dp
 
     cap = {"fraction": 1.0}
+
+    def get_fraction(device: object) -> float:
+        assert isinstance(device, int), device  # torch refuses a device without an index here
+        return cap["fraction"]
+
+    def set_fraction(fraction: float, device: object) -> None:
+        assert isinstance(device, int) and isinstance(fraction, float), (fraction, device)
+        cap["fraction"] = fraction
+
     for name, fake in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
                        ("max_memory_reserved", lambda device=None: 300 * 2**20),
                        ("mem_get_info", lambda device=None: (10 * 2**30, 10 * 2**30)),
-                       ("get_per_process_memory_fraction", lambda device=None: cap["fraction"]),
-                       ("set_per_process_memory_fraction", lambda f, device=None: cap.update(fraction=f))):
+                       ("get_per_process_memory_fraction", get_fraction),
+                       ("set_per_process_memory_fraction", set_fraction)):
         monkeypatch.setattr(torch.cuda, name, fake)
     _, padded_lm, _ = dp._imports()
     loss = padded_lm.loss
@@ -83,7 +92,7 @@ def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_th
     monkeypatch.setattr(padded_lm, "loss", capped_loss)
     monkeypatch.setattr(dp, "MEMORY_MODEL", dict(dp.MODEL))  # the small model: this is about the plumbing
     memory = dp.RealMemory("cpu")
-    assert memory.cap == int(1.3 * 300 * 2**20) and cap["fraction"] == 1.0  # the cap is set only while probing
+    assert memory.cap == int(dp.MEMORY_ROOM * 300 * 2**20) and cap["fraction"] == 1.0  # set only while probing
     assert [memory.largest[n] for n in (16, 32, 64, 128)] == [32, 21, 10, 5]  # 700 // length, at most 32
     (shape,) = [r for r in dp.measure(rules=["memory"], steps=20, seeds=[0], device="cpu", memory=memory)
                 if r["policy"] == "shape"]
