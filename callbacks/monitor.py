@@ -196,7 +196,7 @@ class MemoryMonitor(Callback):
             return {"memory/host_rss_gib": rss / _GIB, "memory/host_peak_rss_gib": peak_rss_bytes() / _GIB,
                     "memory/host_peak_gib": meter.peak() / _GIB}
         allocated, reserved = meter.peak_allocated(), meter.peak()
-        retries = torch.cuda.memory_stats(meter.device).get("num_alloc_retries", 0)
+        retries = torch.cuda.memory_stats_as_nested_dict(meter.device).get("num_alloc_retries", 0)
         return {
             "memory/peak_allocated_gib": allocated / _GIB,
             "memory/peak_reserved_gib": reserved / _GIB,

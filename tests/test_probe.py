@@ -73,6 +73,32 @@ def test_cpu_meter_counts_allocations_and_not_mapped_files(tmp_path: Path) -> No
     del block
 
 
+def test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meter reads the allocator's nested statistics (no flattening and sorting of ~130 figures, twice a step):
+    with torch's statistics call played, each figure is the one torch's own helper returns."""
+    import torch.cuda.memory as cuda_memory
+
+    from autotune._device.meter import MemoryMeter, cuda_stat
+
+    stats: dict = {name: {pool: {"current": 1 + i, "peak": 100 + i, "allocated": 7, "freed": 3} for pool in
+                          ("all", "small_pool", "large_pool")}
+                   for i, name in enumerate(("allocated_bytes", "reserved_bytes", "active_bytes", "segment"))}
+    stats["num_alloc_retries"] = 2
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda device: stats, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda device: None, raising=False)
+    monkeypatch.setattr(cuda_memory, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda_memory, "_get_device_index", lambda device, optional=False: 0)
+    expected = (torch.cuda.memory_allocated(0), torch.cuda.max_memory_reserved(0), torch.cuda.max_memory_allocated(0))
+
+    def flattened(device: object = None) -> dict:
+        raise AssertionError("the meter flattened the statistics (torch.cuda.memory_stats)")
+
+    monkeypatch.setattr(cuda_memory, "memory_stats", flattened)
+    meter = MemoryMeter(torch.device("cuda", 0))
+    assert (meter.start(), meter.peak(), meter.peak_allocated()) == expected == (1, 101, 100)
+    assert cuda_stat(0, "segment", "current") == 4 and cuda_stat(0, "no_such_figure", "peak") == 0
+
+
 def test_cpu_name_is_the_model_from_cpuinfo():
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []

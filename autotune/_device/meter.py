@@ -36,7 +36,7 @@ class MemoryMeter:
         """Reset the peak and return the bytes in use now (the step's static part)."""
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            return torch.cuda.memory_allocated(self.device)
+            return cuda_stat(self.device, "allocated_bytes", "current")
         if self._can_reset_rss:
             try:
                 with open("/proc/self/clear_refs", "w") as f:
@@ -48,14 +48,22 @@ class MemoryMeter:
     def peak(self) -> int:
         """Peak bytes since :meth:`start` (CUDA: reserved; CPU: the resident set net of file-backed pages)."""
         if self.is_cuda:
-            return torch.cuda.max_memory_reserved(self.device)
+            return cuda_stat(self.device, "reserved_bytes", "peak")
         return peak_host_bytes()
 
     def peak_allocated(self) -> int:
         """Peak bytes held by live tensors since :meth:`start` (CUDA); :meth:`peak` on CPU."""
         if self.is_cuda:
-            return torch.cuda.max_memory_allocated(self.device)
+            return cuda_stat(self.device, "allocated_bytes", "peak")
         return peak_host_bytes()
+
+
+def cuda_stat(device: torch.device | int, name: str, field: str) -> int:
+    """One figure of the CUDA caching allocator's statistics for all pools, e.g. ``("reserved_bytes", "peak")`` (what
+    ``torch.cuda.max_memory_reserved`` returns); 0 before CUDA is initialised. Read from the nested statistics:
+    ``torch.cuda.memory_stats`` flattens and sorts all of them (about 130) in Python for every figure, about 50 us a
+    call on a server CPU, which the meter would pay twice a step (benchmarks/elastic_overhead.py)."""
+    return int(torch.cuda.memory_stats_as_nested_dict(device).get(name, {}).get("all", {}).get(field, 0))
 
 
 def _status(*keys: str) -> list[int] | None:
