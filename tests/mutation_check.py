@@ -139,6 +139,10 @@ MUTATIONS = (
              "callbacks/elastic.py", "            return None, min(probe.total_bytes, capped)\n",
              "            return None, probe.total_bytes\n",
              (ELASTIC + "test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit",)),
+    Mutation("cuda-meter-reads-nested-stats", "the CUDA meter does not flatten the allocator's statistics each step",
+             "autotune/_device/meter.py", '            return cuda_stat(self.device, "reserved_bytes", "peak")\n',
+             "            return torch.cuda.max_memory_reserved(self.device)\n",
+             ("tests/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
 )
 
 
