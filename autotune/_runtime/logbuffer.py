@@ -40,8 +40,18 @@ def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
     elif how == "sum":
         combined = sum(values)
     elif how in ("max", "min"):
-        pick = max if how == "max" else min
-        combined = pick(values, key=lambda v: float(v.detach()) if isinstance(v, Tensor) else float(v))
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        if not tensors:
+            return max(values) if how == "max" else min(values)
+        if any(t.numel() != 1 for t in tensors):
+            return last  # not a scalar: ``log`` itself says so
+        # Compared on the values' device: reading each to the host would wait for the device once a step.
+        dtype = tensors[0].dtype
+        for v in values[1:]:
+            dtype = torch.promote_types(dtype, v.dtype if isinstance(v, Tensor) else torch.result_type(tensors[0], v))
+        stacked = torch.stack([torch.as_tensor(v.detach() if isinstance(v, Tensor) else v, dtype=dtype,
+                                               device=tensors[0].device).reshape(()) for v in values])
+        combined = stacked.max() if how == "max" else stacked.min()
     else:
         return last
     return combined

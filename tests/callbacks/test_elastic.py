@@ -445,3 +445,20 @@ def test_a_replay_does_not_count_twice_in_torchmetrics(where: str) -> None:
     ys = torch.cat([unpack(b, "tuple")[1][:, 0] for b in data])
     assert torch.equal(model.train_ys.compute(), ys)  # each sample once, in order
     assert model.val_metrics["count"].compute().item() == N
+
+
+def test_max_and_min_logs_are_combined_on_the_values_device_without_reading_them() -> None:
+    """``reduce_fx`` max/min over micro-batches takes the extreme, compared on the values' device: on a meta device
+    (where reading a value to the host is impossible, as it would be a wait on a GPU) the combination still works."""
+    from autotune._runtime.logbuffer import _combine
+
+    for device in ("cpu", "meta"):
+        values = [torch.tensor(1.5, device=device), torch.tensor(3.0, device=device), 2.0]
+        for fx, expected in (("max", 3.0), ("min", 1.5), (torch.max, 3.0), ("MIN", 1.5)):
+            combined = _combine(values, [8.0, 8.0, 8.0], fx)
+            assert combined.device.type == device and combined.shape == ()
+            if device == "cpu":
+                assert float(combined) == expected
+    assert _combine([2, 5, 3], [1.0, 1.0, 1.0], "max") == 5  # plain numbers stay numbers
+    mixed = _combine([torch.tensor(2), 2.5], [1.0, 1.0], "max")  # an int tensor and a float: promoted, not cut
+    assert mixed.dtype == torch.float32 and float(mixed) == 2.5
