@@ -518,3 +518,29 @@ def test_trials_run_with_the_users_trainer_settings_and_the_tuned_file_records_t
     assert trial.user_attrs["trainer_settings"] == recorded
     assert steps.read_text().count("step") >= trial.user_attrs["steps_timed"]
     assert load_plan(tmp_path / "t.yaml").provenance.trainer_settings == recorded
+
+
+@pytest.mark.slow
+def test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again(tmp_path: Path) -> None:
+    """The estimate cannot see this target's limit (it runs out of memory above 16 samples, whatever the budget):
+    'auto' first takes the whole batch, runs out, and the same point is tried again at half, down to what runs."""
+    storage = f"sqlite:///{tmp_path}/s.db"
+    space = one_point_space(tmp_path, precision=["32-true"], micro_batch_size=["auto"])
+    result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=3, storage=storage,
+                    study="auto-oom", out=None, seed=0, **FAST)
+    tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["status"], t.user_attrs.get("auto_again_of"))
+             for t in result.study.get_trials()]
+    assert tried == [(64, "oom", None), (32, "oom", 0), (16, "ok", 1)]
+    assert result.plan.micro_batch_size == 16
+
+    # Stopped after the first (the retry queued), then resumed by another process: the cache's answer for 'auto'
+    # (64, out of memory) starts the halving again.
+    storage = f"sqlite:///{tmp_path}/resumed.db"
+    with pytest.raises(NoFeasiblePlanError, match="no plan fits in 2GiB"):
+        search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=1, storage=storage,
+               study="auto-oom", out=None, seed=0, **FAST)
+    result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=3, storage=storage,
+                    study="auto-oom", out=None, seed=0, **FAST)
+    tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["source"]) for t in result.study.get_trials()]
+    assert tried == [(64, "measured"), (64, "cache"), (32, "measured"), (16, "measured")]
+    assert result.plan.micro_batch_size == 16

@@ -263,6 +263,7 @@ class _Objective:
         self.estimator = SearchEstimator(target_obj, device)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
         self._peak_noise: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch: its peaks' noise
+        self._auto_ceiling: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch: half an 'auto' that OOMed
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
@@ -319,7 +320,12 @@ class _Objective:
         trial.set_user_attr("plan_key", plan.key())
         cached = self._cached(trial, plan)
         if cached is not None:
-            return self._record(trial, cached, source="cache")
+            value = self._record(trial, cached, source="cache")
+            earlier = trial.study.get_trials(deepcopy=False)[trial.user_attrs["cached_from"]]
+            ran_out = earlier.user_attrs.get("source") == "measured"
+            if cached.status == "oom" and ran_out:  # a resumed search meets its earlier 'auto' that ran out
+                self._auto_ran_out(trial, params, plan.micro_batch_size)
+            return value
         # A plan whose least peak is known to be under the rejection bar (a larger micro-batch of its shape is) runs
         # untraced, unless its trace is at hand; its measurement calibrates its shape when that is next asked for.
         limit = ESTIMATE_REJECT_FACTOR * self.budget_bytes
@@ -338,6 +344,8 @@ class _Objective:
         result = run_trial(spec, timeout=self.trial_timeout)
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
+        if result.status == "oom":
+            self._auto_ran_out(trial, params, plan.micro_batch_size)
         if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
             shape = _shape_key(params)
             self._peak_noise[shape] = max(self._peak_noise.get(shape, 0), result.peak_noise_bytes)
@@ -424,6 +432,18 @@ class _Objective:
         size); None when it cannot tell."""
         return self.estimator.peak(plan)
 
+    def _auto_ran_out(self, trial: Any, params: dict[str, Any], micro: int | None) -> None:
+        """An ``auto`` micro-batch ran out of memory: the estimate fell short of the shape's need (on CUDA: compile,
+        float8, kernels' scratch), and as it knows nothing of why, the shape's ``auto`` is held to half of it from now
+        on (as the runtime halves after an OOM) and the point is tried again at once; down to 1."""
+        if params.get("micro_batch_size") != AUTO or not micro or micro <= 1:
+            return
+        shape = _shape_key(params)
+        ceiling = max(1, micro // 2)
+        if ceiling < self._auto_ceiling.get(shape, micro):
+            self._auto_ceiling[shape] = ceiling
+            trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
+
     def _auto_micro(self, params: dict[str, Any]) -> int:
         """``auto``: the largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal
         sizes: 8 rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
@@ -435,7 +455,7 @@ class _Objective:
         key = (*shape, self.estimator.calibrations, room)
         if key not in self._auto_cache:
             self._auto_cache[key] = self.estimator.largest_micro(plan, room, self.target_obj.batch_size())
-        return self._auto_cache[key]
+        return min(self._auto_cache[key], self._auto_ceiling.get(shape, self._auto_cache[key]))
 
     def remeasure(self, trial: Any) -> dict[str, Any]:
         """Measure ``trial``'s plan once more (a contender for best); the run's record."""

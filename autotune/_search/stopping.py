@@ -33,7 +33,9 @@ def finished(study: Any) -> int:
 
 class MaxMeasured:
     """Stop once the study has ``trials`` finished trials that were not cache hits, or has measured every point of
-    the space; as a guard for a small space the sampler keeps re-proposing, also at three times ``trials`` in all."""
+    the space and queued none again (an ``auto`` point tried again at another micro-batch is a plan the count of
+    points does not know); as a guard for a small space the sampler keeps re-proposing, also at three times
+    ``trials`` in all."""
 
     def __init__(self, trials: int, space_size: int) -> None:
         self.trials, self.space_size = trials, space_size
@@ -45,7 +47,9 @@ class MaxMeasured:
                     for t in study.get_trials(deepcopy=False, states=_finished_states())
                     if t.user_attrs.get("source") != "cache"}
         everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
-        if finished(study) >= self.trials or len(measured) >= self.space_size or everything >= 3 * self.trials:
+        queued = bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        covered = len(measured) >= self.space_size and not queued
+        if finished(study) >= self.trials or covered or everything >= 3 * self.trials:
             study.stop()
 
 
