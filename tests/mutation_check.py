@@ -143,6 +143,11 @@ MUTATIONS = (
              "autotune/_device/meter.py", '            return cuda_stat(self.device, "reserved_bytes", "peak")\n',
              "            return torch.cuda.max_memory_reserved(self.device)\n",
              ("tests/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
+    Mutation("auto-out-of-memory-halved", "an 'auto' micro-batch that runs out of memory is tried again at half",
+             "autotune/_search/search.py",
+             '        if result.status == "oom":\n            self._auto_ran_out(trial, params, plan.micro_batch_size)\n',
+             '        if result.status == "oom":\n            pass\n',
+             ("tests/test_search.py::test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",)),
 )
 
 
