@@ -204,8 +204,13 @@ class ElasticBatchSize(Callback):
                 return None, probe.free_bytes
             # A cap set before fit (``set_per_process_memory_fraction``: by the user, a launcher, a shared node's
             # policy) is where this process's allocator runs out: the limit the growth and the shape model work to.
-            capped = int(torch.cuda.get_per_process_memory_fraction(device) * torch.cuda.mem_get_info(device)[1])
-            return None, min(probe.total_bytes, capped)
+            try:
+                fraction = torch.cuda.get_per_process_memory_fraction(device)
+            except RuntimeError:  # an allocator plugged in (RMM and the like) keeps no fraction
+                fraction = 1.0
+            if not 0.0 < fraction < 1.0:  # no cap (some plugged-in allocators answer 0)
+                return None, probe.total_bytes
+            return None, min(probe.total_bytes, int(fraction * torch.cuda.mem_get_info(device)[1]))
         budget_bytes = self.budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
         if device.type == "cuda":
             allocator_total = torch.cuda.mem_get_info(device)[1]  # what the fraction multiplies (NVML's may differ)

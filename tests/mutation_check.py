@@ -136,7 +136,8 @@ MUTATIONS = (
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[convnext-none]",)),
     Mutation("cuda-cap-is-the-limit", "without a budget, a CUDA cap set before fit is the limit the runtime works to",
-             "callbacks/elastic.py", "            return None, min(probe.total_bytes, capped)\n",
+             "callbacks/elastic.py",
+             "            return None, min(probe.total_bytes, int(fraction * torch.cuda.mem_get_info(device)[1]))\n",
              "            return None, probe.total_bytes\n",
              (ELASTIC + "test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit",)),
     Mutation("cuda-meter-reads-nested-stats", "the CUDA meter does not flatten the allocator's statistics each step",

@@ -47,7 +47,7 @@ def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
             return last  # not a scalar: ``log`` itself says so
         # Compared on the values' device: reading each to the host would wait for the device once a step.
         dtype = tensors[0].dtype
-        for v in values[1:]:
+        for v in values:  # every value, numbers too: 2.5 beside an int tensor is not cut to 2
             dtype = torch.promote_types(dtype, v.dtype if isinstance(v, Tensor) else torch.result_type(tensors[0], v))
         stacked = torch.stack([torch.as_tensor(v.detach() if isinstance(v, Tensor) else v, dtype=dtype,
                                                device=tensors[0].device).reshape(()) for v in values])

@@ -18,6 +18,7 @@ from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_spa
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
 from autotune._search.rank import (
     SearchEstimator,
+    even_micro_batches,
     guided_trials,
     ranked_candidates,
     sharded_devices,
@@ -312,6 +313,10 @@ class _Objective:
         params = self.space.suggest(trial)
         micro = params.get("micro_batch_size")
         if micro == AUTO:
+            carried = trial.user_attrs.get("auto_ceiling")  # a retry's, set by whichever worker saw the OOM
+            if carried:
+                shape = _shape_key(params)
+                self._auto_ceiling[shape] = min(self._auto_ceiling.get(shape, carried), carried)
             micro = self._auto_micro(params)
             trial.set_user_attr("auto_micro_batch_size", micro)
         plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, self.devices))
@@ -439,10 +444,11 @@ class _Objective:
         if params.get("micro_batch_size") != AUTO or not micro or micro <= 1:
             return
         shape = _shape_key(params)
-        ceiling = max(1, micro // 2)
+        batch = self.target_obj.batch_size()
+        ceiling = max(m for m in even_micro_batches(batch) if m <= max(1, micro // 2))  # half, evened out
         if ceiling < self._auto_ceiling.get(shape, micro):
             self._auto_ceiling[shape] = ceiling
-            trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
+            trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number, "auto_ceiling": ceiling})
 
     def _auto_micro(self, params: dict[str, Any]) -> int:
         """``auto``: the largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal

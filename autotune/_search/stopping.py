@@ -32,10 +32,10 @@ def finished(study: Any) -> int:
 
 
 class MaxMeasured:
-    """Stop once the study has ``trials`` finished trials that were not cache hits, or has measured every point of
-    the space and queued none again (an ``auto`` point tried again at another micro-batch is a plan the count of
-    points does not know); as a guard for a small space the sampler keeps re-proposing, also at three times
-    ``trials`` in all."""
+    """Stop once the study has ``trials`` finished trials that were not cache hits, or has an answer for every point
+    of the space (measured, or from the cache) and no point queued again (an ``auto`` point tried again at another
+    micro-batch); as a guard for a small space the sampler keeps re-proposing, also at three times ``trials`` in
+    all."""
 
     def __init__(self, trials: int, space_size: int) -> None:
         self.trials, self.space_size = trials, space_size
@@ -43,12 +43,12 @@ class MaxMeasured:
     def __call__(self, study: Any, trial: Any) -> None:
         from optuna.trial import TrialState
 
-        measured = {t.user_attrs.get("plan_key", t.user_attrs.get("plan"))
-                    for t in study.get_trials(deepcopy=False, states=_finished_states())
-                    if t.user_attrs.get("source") != "cache"}
+        # Points, not plans: an 'auto' point tried again at another micro-batch is one point of several plans, and a
+        # point whose plan another point measured ('auto' resolving to 16, then 16) is answered by the cache.
+        points = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False, states=_finished_states())}
         everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
         queued = bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-        covered = len(measured) >= self.space_size and not queued
+        covered = len(points) >= self.space_size and not queued
         if finished(study) >= self.trials or covered or everything >= 3 * self.trials:
             study.stop()
 

@@ -389,9 +389,15 @@ def test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit(monkeypatch: py
     monkeypatch.setattr(installed, "probe_memory", lambda device: probe)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
     cuda = torch.device("cuda", 0)
-    for fraction, limit in ((1.0, total), (0.25, total // 4)):
+    for fraction, limit in ((1.0, total), (0.25, total // 4), (0.0, total)):  # 0: a plugged-in allocator's "none"
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
         assert ElasticBatchSize()._resolve_budget(cuda) == (None, limit)
+
+    def unsupported(device: object = None) -> float:
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getMemoryFraction")
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", unsupported)
+    assert ElasticBatchSize()._resolve_budget(cuda) == (None, total)
 
 
 @pytest.mark.gpu
@@ -460,5 +466,7 @@ def test_max_and_min_logs_are_combined_on_the_values_device_without_reading_them
             if device == "cpu":
                 assert float(combined) == expected
     assert _combine([2, 5, 3], [1.0, 1.0, 1.0], "max") == 5  # plain numbers stay numbers
-    mixed = _combine([torch.tensor(2), 2.5], [1.0, 1.0], "max")  # an int tensor and a float: promoted, not cut
-    assert mixed.dtype == torch.float32 and float(mixed) == 2.5
+    for values in ([torch.tensor(2), 2.5], [2.5, torch.tensor(3)]):  # an int tensor and a float: promoted, not cut
+        assert _combine(values, [1.0, 1.0], "max").dtype == torch.float32
+    assert float(_combine([torch.tensor(2), 2.5], [1.0, 1.0], "max")) == 2.5
+    assert float(_combine([2.5, torch.tensor(3)], [1.0, 1.0], "min")) == 2.5
