@@ -544,3 +544,29 @@ def test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again(t
     tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["source"]) for t in result.study.get_trials()]
     assert tried == [(64, "measured"), (32, "measured"), (16, "measured")]
     assert result.plan.micro_batch_size == 16
+
+
+
+def test_a_small_space_is_covered_when_every_point_has_an_answer_not_when_as_many_plans_ran() -> None:
+    """Two points, 'auto' and 8: 'auto' ran out at 64 and 32 and ran at 16, three plans of one point; the search goes
+    on (to the other point), and stops once that point has an answer, a cache hit included."""
+    from optuna.distributions import CategoricalDistribution
+
+    from autotune._search.stopping import MaxMeasured
+
+    study = optuna.create_study()
+    stops: list[bool] = []
+    study.stop = lambda: stops.append(True)  # type: ignore[method-assign]
+    micro = {"micro_batch_size": CategoricalDistribution(["auto", 8])}
+
+    def add(choice: object, plan: str, source: str) -> None:
+        study.add_trial(optuna.trial.create_trial(params={"micro_batch_size": choice}, distributions=micro, value=1.0,
+                                                  user_attrs={"plan_key": plan, "source": source}))
+
+    for plan in ("micro 64", "micro 32", "micro 16"):
+        add("auto", plan, "measured")
+    MaxMeasured(trials=10, space_size=2)(study, None)
+    assert not stops
+    add(8, "micro 8", "cache")
+    MaxMeasured(trials=10, space_size=2)(study, None)
+    assert stops == [True]
