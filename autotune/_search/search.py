@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
 from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
+from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
 from autotune._search.rank import (
     SearchEstimator,
-    even_micro_batches,
     guided_trials,
     ranked_candidates,
     sharded_devices,
@@ -260,11 +260,10 @@ class _Objective:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
-        self._auto_cache: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch, and baseline
         self.estimator = SearchEstimator(target_obj, device)
+        self.auto = AutoMicro(self.estimator, budget_bytes=budget_bytes, batch_size=target_obj.batch_size(),
+                              devices=devices)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
-        self._peak_noise: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch: its peaks' noise
-        self._auto_ceiling: dict[tuple[Any, ...], int] = {}  # by params less the micro-batch: half an 'auto' that OOMed
 
     def measure_baseline(self) -> None:
         """On CPU, where a trial's peak is its process's memory (resident set net of file pages), measure what a trial
@@ -283,7 +282,7 @@ class _Objective:
         batch_size = self.target_obj.batch_size()
         ranked = ranked_candidates(
             self.space, limit=count, batch_size=batch_size, device_type=self.device.type, devices=self.devices,
-            resolve_micro=self._auto_micro, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
+            resolve_micro=self.auto, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
             tensor_room=self.budget_bytes - self.estimator.baseline)
         extra = [p for p in with_variations(self.space, ranked) if p not in seeds]
         return (seeds + extra)[:max(count, len(seeds))]
@@ -313,11 +312,9 @@ class _Objective:
         params = self.space.suggest(trial)
         micro = params.get("micro_batch_size")
         if micro == AUTO:
-            carried = trial.user_attrs.get("auto_ceiling")  # a retry's, set by whichever worker saw the OOM
-            if carried:
-                shape = _shape_key(params)
-                self._auto_ceiling[shape] = min(self._auto_ceiling.get(shape, carried), carried)
-            micro = self._auto_micro(params)
+            if trial.user_attrs.get("auto_ceiling"):  # a retry's, set by whichever worker saw the OOM
+                self.auto.hold(params, trial.user_attrs["auto_ceiling"])
+            micro = self.auto(params)
             trial.set_user_attr("auto_micro_batch_size", micro)
         plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, self.devices))
         trial.set_user_attr("micro_batch_size", plan.micro_batch_size)
@@ -352,15 +349,14 @@ class _Objective:
         if result.status == "oom":
             self._auto_ran_out(trial, params, plan.micro_batch_size)
         if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
-            shape = _shape_key(params)
-            self._peak_noise[shape] = max(self._peak_noise.get(shape, 0), result.peak_noise_bytes)
+            self.auto.note_noise(params, result.peak_noise_bytes)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
             if params.get("micro_batch_size") == AUTO:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget, or within its peak's noise of it), so its choice moves: try it again, next
                 fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
-                again = self._auto_micro(params)
+                again = self.auto(params)
                 if (fits and again > micro) or (not fits and again < micro):
                     trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
         # this process's own time for the trial (sampler, estimator, storage), apart from the trial's process
@@ -438,41 +434,16 @@ class _Objective:
         return self.estimator.peak(plan)
 
     def _auto_ran_out(self, trial: Any, params: dict[str, Any], micro: int | None) -> None:
-        """An ``auto`` micro-batch ran out of memory: the estimate fell short of the shape's need (on CUDA: compile,
-        float8, kernels' scratch), and as it knows nothing of why, the shape's ``auto`` is held to half of it from now
-        on (as the runtime halves after an OOM) and the point is tried again at once; down to 1."""
-        if params.get("micro_batch_size") != AUTO or not micro or micro <= 1:
-            return
-        shape = _shape_key(params)
-        batch = self.target_obj.batch_size()
-        ceiling = max(m for m in even_micro_batches(batch) if m <= max(1, micro // 2))  # half, evened out
-        if ceiling < self._auto_ceiling.get(shape, micro):
-            self._auto_ceiling[shape] = ceiling
+        """An ``auto`` plan ran out of memory: its point is tried again at once, at half (:meth:`AutoMicro.ran_out`)."""
+        ceiling = self.auto.ran_out(params, micro)
+        if ceiling is not None:
             trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number, "auto_ceiling": ceiling})
-
-    def _auto_micro(self, params: dict[str, Any]) -> int:
-        """``auto``: the largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal
-        sizes: 8 rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
-        plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
-        self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
-        # and by the calibrations: a measurement moves the baselines, and the choice with them
-        shape = _shape_key(params)
-        room = self.budget_bytes - self._peak_noise.get(shape, 0)  # a fit must clear the shape's measured noise
-        key = (*shape, self.estimator.calibrations, room)
-        if key not in self._auto_cache:
-            self._auto_cache[key] = self.estimator.largest_micro(plan, room, self.target_obj.batch_size())
-        return min(self._auto_cache[key], self._auto_ceiling.get(shape, self._auto_cache[key]))
 
     def remeasure(self, trial: Any) -> dict[str, Any]:
         """Measure ``trial``'s plan once more (a contender for best); the run's record."""
         plan = plan_from_params(trial.params, micro_batch_size=trial.user_attrs.get("micro_batch_size"),
                                 **sharded_devices(trial.params, self.devices))
         return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
-
-
-def _shape_key(params: dict[str, Any]) -> tuple[Any, ...]:
-    """A point's settings but its micro-batch: what ``auto`` chooses the micro-batch of."""
-    return tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
 
 
 def _at_largest_samples(plan: Plan, sizes: BatchSizes | None, predicted: int | None, budget_bytes: int) -> Plan:

@@ -1,0 +1,69 @@
+"""What ``micro_batch_size: auto`` resolves to in a search, point by point: the largest micro-batch the estimator
+predicts to fit, evened out, with room for the noise its shape's measured peaks showed, and held to half of one that
+ran out of memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune._plan.space import AUTO, plan_from_params
+from autotune._search.rank import SearchEstimator, even_micro_batches, sharded_devices
+
+__all__ = ["AutoMicro", "shape_key"]
+
+
+def shape_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    """A point's settings but its micro-batch: what ``auto`` chooses the micro-batch of.
+
+    Example:
+        >>> shape_key({"precision": "bf16-mixed", "micro_batch_size": "auto"})
+        (('precision', 'bf16-mixed'),)
+    """
+    return tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+
+
+class AutoMicro:
+    """The search's ``auto`` micro-batches and what each shape (:func:`shape_key`) has taught them."""
+
+    def __init__(self, estimator: SearchEstimator, *, budget_bytes: int, batch_size: int, devices: int) -> None:
+        self.estimator, self.budget_bytes, self.batch_size, self.devices = estimator, budget_bytes, batch_size, devices
+        self._cache: dict[tuple[Any, ...], int] = {}  # by shape, calibrations and room
+        self._noise: dict[tuple[Any, ...], int] = {}  # by shape: the largest noise of its measured peaks
+        self._ceiling: dict[tuple[Any, ...], int] = {}  # by shape: half an 'auto' that ran out of memory
+
+    def __call__(self, params: dict[str, Any]) -> int:
+        """The largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal sizes: 8
+        rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
+        plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
+        self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
+        # and by the calibrations: a measurement moves the baselines, and the choice with them
+        shape = shape_key(params)
+        room = self.budget_bytes - self._noise.get(shape, 0)  # a fit must clear the shape's measured noise
+        key = (*shape, self.estimator.calibrations, room)
+        if key not in self._cache:
+            self._cache[key] = self.estimator.largest_micro(plan, room, self.batch_size)
+        return min(self._cache[key], self._ceiling.get(shape, self._cache[key]))
+
+    def note_noise(self, params: dict[str, Any], noise: int) -> None:
+        """A measured peak of this shape varied by ``noise`` bytes: its ``auto`` leaves room for the largest."""
+        shape = shape_key(params)
+        self._noise[shape] = max(self._noise.get(shape, 0), noise)
+
+    def hold(self, params: dict[str, Any], ceiling: int) -> None:
+        """This shape's ``auto`` is at most ``ceiling`` (a retry's, carried from whichever worker saw the OOM)."""
+        shape = shape_key(params)
+        self._ceiling[shape] = min(self._ceiling.get(shape, ceiling), ceiling)
+
+    def ran_out(self, params: dict[str, Any], micro: int | None) -> int | None:
+        """An ``auto`` micro-batch ran out of memory: the estimate fell short of the shape's need (on CUDA: compile,
+        float8, kernels' scratch), and as it knows nothing of why, the shape's ``auto`` is held to half of it from now
+        on (as the runtime halves after an OOM), evened out, down to 1. Returns the new ceiling when it is lower (the
+        point is then to be tried again), else None."""
+        if params.get("micro_batch_size") != AUTO or not micro or micro <= 1:
+            return None
+        shape = shape_key(params)
+        ceiling = max(m for m in even_micro_batches(self.batch_size) if m <= max(1, micro // 2))
+        if ceiling >= self._ceiling.get(shape, micro):
+            return None
+        self._ceiling[shape] = ceiling
+        return ceiling
