@@ -89,7 +89,7 @@ class RealMemory:
         torch.manual_seed(0)
         model = PaddedLM(**MEMORY_MODEL, max_length=LONGEST).to(device=self.device, dtype=torch.float64)
         optimizer = model.configure_optimizers()
-        for step in range(2):  # the second step is a steady one: AdamW's state is there through forward and backward
+        for _ in range(2):  # the second step is a steady one: AdamW's state is there through forward and backward
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
