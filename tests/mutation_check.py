@@ -149,6 +149,11 @@ MUTATIONS = (
              '        if result.status == "oom":\n            self._auto_ran_out(trial, params, plan.micro_batch_size)\n',
              '        if result.status == "oom":\n            pass\n',
              ("tests/test_search.py::test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",)),
+    Mutation("cuda-trials-calibrate", "on CUDA a measured trial corrects its shape's 'auto' (context, fragmentation)",
+             "autotune/_search/rank.py", '        traced only then."""\n        if lazily',
+             '        traced only then."""\n        if self.device.type == "cuda":\n            return False\n        if lazily',
+             ("tests/test_search_choice.py::"
+              "test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_its_trials",)),
 )
 
 

@@ -163,17 +163,24 @@ class SearchEstimator:
     between shapes and grows with the micro-batch (checkpointing's recomputation leaves more behind in the
     resident set than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold
     can leave far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet
-    takes the first baseline measured (the short run's). On CUDA the trial's allocator is capped at the budget, which is
-    what the estimate is compared to. Each shape is traced once per micro-batch. Any failure of the estimator is logged
-    and the search goes on without it.
+    takes the first baseline measured (the short run's).
+
+    On CUDA a trial's peak is the caching allocator's peak reserve plus the CUDA context (what NVML counts for the
+    process beyond the allocator), the estimator's the bytes allocated: the baseline starts as the estimate's context
+    (``CUDA_CONTEXT_BYTES``; no short run) and each measured trial gives its shape a baseline of its own as on CPU,
+    which takes in the allocator's fragmentation, the real context and what the estimator does not trace (compile,
+    float8, kernels' scratch). Each shape is traced once per micro-batch. Any failure of the estimator is logged and
+    the search goes on without it.
     """
 
     def __init__(self, target: Any, device: Any) -> None:
         from autotune._device.meter import current_host_bytes
+        from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
 
         self.target, self.device = target, device
-        self.baseline = current_host_bytes() if device.type != "cuda" else 0  # until a trial has measured one
-        self.calibrated = device.type == "cuda"
+        cuda = device.type == "cuda"
+        self.baseline = CUDA_CONTEXT_BYTES if cuda else current_host_bytes()  # CPU: until the short run measures one
+        self.calibrated = cuda
         self._shape_baselines: dict[str, dict[int, int]] = {}  # shape: {micro-batch measured: its baseline}
         self.calibrations = 0  # how many measurements have changed a baseline (what 'auto' choices depend on)
         self._first_micro = 1  # the micro-batch of the first measurement (the short run's)
@@ -244,12 +251,10 @@ class SearchEstimator:
                    for m in traces.traced_micro_batches() if m >= plan.micro_batch_size)
 
     def calibrate(self, plan: Plan, measured_peak: int, *, lazily: bool = False) -> bool:
-        """On CPU, learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it, for its
+        """Learn the baseline from a measured trial: its peak minus the tensor bytes predicted for it, for its
         shape at its micro-batch (the larger of two at one micro-batch). Returns whether a baseline changed.
         ``lazily``: a plan not traced yet is kept until its shape's baseline is asked for (:meth:`baseline_for`), and
         traced only then."""
-        if self.device.type == "cuda":
-            return False
         if lazily and self.calibrated and not self.traced(plan):
             self._pending.setdefault(_shape(plan).key(), []).append((plan, measured_peak))
             return False
@@ -305,7 +310,7 @@ class SearchEstimator:
             return _FAILED
 
     def peak(self, plan: Plan) -> int | None:
-        """The predicted peak in the search's measure (tensors plus, on CPU, the process baseline)."""
+        """The predicted peak in the search's measure: tensors plus the baseline (CPU: the process; CUDA: the context)."""
         tensors = self.tensors(plan)
         return None if tensors is None else tensors + self.baseline_for(plan)
 
