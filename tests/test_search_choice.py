@@ -55,19 +55,20 @@ class _Clock:
 
 
 def _meter_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, durations: list[float], peaks: Any = None,
-               **spec: Any) -> Any:
-    """Feed a meter steps of the given durations (and step ``peaks``) as Lightning would; returns it after the
-    trainer stops."""
+               allocated: Any = None, device: str = "cpu", **spec: Any) -> Any:
+    """Feed a meter steps of the given durations (and step ``peaks``, on CUDA ``allocated`` peaks) as Lightning would,
+    on a module on ``device``; returns it after the trainer stops."""
     clock = _Clock(durations)
     monkeypatch.setattr(meter_module, "time", clock)
     base = {"target": "t.py:make", "config": None, "plan": {}, "budget": None, "device": "cpu", "warmup": 1}
     meter = meter_module.make_meter(spec=TrialSpec(**{**base, **spec}), batch_size=10, tokens_per_sample=None,
                                     launched=0.0, out=str(tmp_path / "r.json"))
     if peaks is not None:
-        meter.memory = SimpleNamespace(peak=iter(peaks).__next__)
+        meter.memory = SimpleNamespace(peak=iter(peaks).__next__,
+                                       peak_allocated=iter(allocated).__next__ if allocated is not None else None)
     strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)  # one process: its own decisions
     trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=strategy)
-    module = SimpleNamespace(device=torch.device("cpu"))
+    module = SimpleNamespace(device=torch.device(device))
     step = 0
     while clock.durations and not trainer.should_stop:
         meter.on_train_batch_start(trainer, module, None, step)
@@ -223,6 +224,33 @@ def test_a_trial_reports_how_much_its_timed_steps_peaks_varied(monkeypatch: pyte
     meter = _meter_run(monkeypatch, tmp_path, [1.0] * 8, peaks=iter([900, 200, 103, 101, 104, 102, 100, 101]),
                        steps=5)
     assert meter.timed_from == 2 and meter.result().peak_noise_bytes == 4  # warm-up's growth is no noise
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_cuda_trial_reports_its_tensors_peak_and_context_beside_its_peak(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Any, ranks: int) -> None:
+    import json
+
+    monkeypatch.setattr(meter_module, "_sync", lambda device: None)  # no device to wait for: played on the host
+    host_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: host_tensor(data, dtype=dtype))
+    # the allocator's reserve and its tensors' peak at each step's end (and once more at the end of training)
+    meter = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([500, 700, 600, 650, 640]),
+                       allocated=iter([300, 450, 400, 420, 410]), device="cuda", steps=2)
+    monkeypatch.setattr(meter_module, "_context_bytes", lambda device: 64)
+    other_rank = [900, 460, 80]  # its peak, tensors' peak and context: the largest of each is the trial's
+
+    def reduce(figures: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "max"
+        return torch.maximum(figures, torch.tensor(other_rank))
+
+    trainer = SimpleNamespace(world_size=ranks, global_rank=0, strategy=SimpleNamespace(reduce=reduce))
+    meter.on_train_end(trainer, SimpleNamespace(device=torch.device("cuda")))
+    result = json.loads((tmp_path / "r.json").read_text())
+    expected = (700 + 64, 450, 64) if ranks == 1 else (900, 460, 80)
+    assert (result["peak_bytes"], result["allocated_peak_bytes"], result["context_bytes"]) == expected
+    cpu = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([5, 7, 6, 6, 6]), steps=2).result()
+    assert cpu.allocated_peak_bytes is None and cpu.context_bytes is None  # a CPU trial's peak has no such parts
 
 
 def test_no_feasible_plan_chooses_nothing() -> None:

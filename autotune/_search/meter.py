@@ -53,7 +53,9 @@ class TrialResult:
     ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
     (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
     measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
-    file-backed pages), the worst rank's under DDP. ``interval`` is the 95% interval of ``samples_per_second`` over this
+    file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
+    bytes allocated to tensors (what the estimator predicts) and ``context_bytes`` the context counted in the peak:
+    the rest of the peak is the allocator's reserve beyond its tensors. ``interval`` is the 95% interval of ``samples_per_second`` over this
     run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
     search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
     timing started (more than asked while the step time was settling).
@@ -69,6 +71,8 @@ class TrialResult:
     tokens_per_second: float | None = None
     peak_bytes: int | None = None
     peak_noise_bytes: int | None = None  # how much its timed steps' peaks varied (largest - smallest)
+    allocated_peak_bytes: int | None = None  # CUDA: the largest step's peak of tensor bytes
+    context_bytes: int | None = None  # CUDA: the context in peak_bytes
     steps_timed: int = 0
     warmup_steps: int = 0
     flops_per_sample: float | None = None
@@ -181,6 +185,8 @@ def make_meter(**kwargs: Any) -> Any:
             self.step_peaks: list[int] = []  # each step's (the meter is reset at each step's start)
             self.timed_from: int | None = None
             self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
+            self.allocated_peak: int | None = None  # CUDA: the largest step's tensor peak
+            self.context: int | None = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.first_step is None:
@@ -209,6 +215,8 @@ def make_meter(**kwargs: Any) -> Any:
             now = time.perf_counter()
             self.step_peaks.append(self._peak(pl_module))
             self.step_peak = max(self.step_peak, self.step_peaks[-1])
+            if pl_module.device.type == "cuda":
+                self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
             if self.marks:
                 self.marks.append(now)
             else:
@@ -272,12 +280,20 @@ def make_meter(**kwargs: Any) -> Any:
             return max(steady) - min(steady) if len(steady) > 1 else None
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.peak = max(self.step_peak, self._peak(pl_module)) + _context_bytes(pl_module.device)
-            if trainer.world_size > 1:  # the largest peak of the ranks (the budget is per device)
+            context = _context_bytes(pl_module.device)
+            self.peak = max(self.step_peak, self._peak(pl_module)) + context
+            if pl_module.device.type == "cuda":
+                self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
+                self.context = context
+            if trainer.world_size > 1:  # the largest of the ranks (the budget is per device)
                 import torch
 
-                peak = torch.tensor(self.peak, dtype=torch.int64, device=pl_module.device)
-                self.peak = int(trainer.strategy.reduce(peak, reduce_op="max"))
+                figures = torch.tensor([self.peak, self.allocated_peak or 0, context], dtype=torch.int64,
+                                       device=pl_module.device)
+                peak, allocated, most_context = (int(x) for x in trainer.strategy.reduce(figures, reduce_op="max"))
+                self.peak = peak
+                if pl_module.device.type == "cuda":
+                    self.allocated_peak, self.context = allocated, most_context
             if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
                 Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 
@@ -296,6 +312,8 @@ def make_meter(**kwargs: Any) -> Any:
                 tokens_per_second=rate * self.tokens if self.tokens else None,
                 peak_bytes=getattr(self, "peak", None),
                 peak_noise_bytes=self.peak_noise(),
+                allocated_peak_bytes=self.allocated_peak,
+                context_bytes=self.context,
                 flops_per_sample=per_sample,
                 mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
                 steps_timed=len(self.durations()),
