@@ -18,9 +18,12 @@ traceback: ``-rA`` output and a junit XML). Steps:
    CPU: its options only, a run takes minutes).
 5. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
    under an allocator cap; ``--quick``: the tokens rule, and real memory on a GPU).
-6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
-   16 GiB cap, with MFU from its trials (``--quick``: the small GPT example under 2 GiB, 2 trials).
-7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
+6. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
+   ``gpt_350m`` built up one feature at a time, each trial's tensors' peak, reserve and context beside the estimate;
+   ``--quick`` on a CPU: one plan of the small GPT example).
+7. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
+   16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
+8. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
    ``--quick`` on a CPU: its options only).
 """
 
@@ -85,6 +88,9 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
                                  *(["--quick", "--rule", "tokens", *(["--rule", "memory"] if cuda else [])]
                                    if quick else []),
                                  "--json", str(out / "dynamic_padding.json")], 900),
+        Step("trial against estimate", [python, "benchmarks/trial_vs_estimate.py", "--device", device,
+                                        *(["--quick"] if quick else []),
+                                        "--json", str(out / "trial_vs_estimate.json")], 900),
         Step("realistic search", search, 1500),
         Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,
                                           *(["--help"] if cpu_quick else ["--quick"] if quick else []),

@@ -148,10 +148,20 @@ MUTATIONS = (
              "autotune/_search/search.py",
              '        if result.status == "oom":\n            self._auto_ran_out(trial, params, plan.micro_batch_size)\n',
              '        if result.status == "oom":\n            pass\n',
-             ("tests/test_search.py::test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",)),
+             ("tests/test_search_auto.py::"
+              "test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",)),
+    Mutation("auto-out-of-memory-halved-from-cache", "a resumed search halves an 'auto' whose OOM it finds cached",
+             "autotune/_search/search.py",
+             "            if result.status == \"oom\" and measured:  # a resumed search meets its earlier 'auto' that "
+             "ran out\n                self._auto_ran_out(trial, params, plan.micro_batch_size)\n",
+             "            if result.status == \"oom\" and measured:  # a resumed search meets its earlier 'auto' that "
+             "ran out\n                pass\n",
+             ("tests/test_search_auto.py::test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_"
+              "and_halves_from_there",)),
     Mutation("cuda-trials-calibrate", "on CUDA a measured trial corrects its shape's 'auto' (context, fragmentation)",
              "autotune/_search/rank.py", '        traced only then."""\n        if lazily',
-             '        traced only then."""\n        if self.device.type == "cuda":\n            return False\n        if lazily',
+             '        traced only then."""\n        if self.device.type == "cuda":\n            return False\n'
+             '        if lazily',
              ("tests/test_search_choice.py::"
               "test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_its_trials",)),
 )

@@ -21,12 +21,15 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Pa
     report = json.loads((tmp_path / "report.json").read_text())
     names = [s["name"] for s in report["steps"]]
     assert names == ["gpu tests", "whole suite with CUDA visible", "estimator accuracy",
-                     "elastic overhead and one real OOM", "dynamic padding", "realistic search",
-                     "against the alternatives"]
+                     "elastic overhead and one real OOM", "dynamic padding", "trial against estimate",
+                     "realistic search", "against the alternatives"]
     assert all(s["status"] == "ok" for s in report["steps"]), [(s["name"], s["status"]) for s in report["steps"]]
     text = (tmp_path / "report.md").read_text()
     assert "driver: none (no NVIDIA driver)" in text and "| gpu tests | ok | 0 |" in text
     assert (tmp_path / "gpu-tests.xml").exists() and (tmp_path / "tuned.yaml").exists()
+    [row] = json.loads((tmp_path / "trial_vs_estimate.json").read_text())["rows"]  # a trial and its estimate
+    assert row["status"] == "ok" and row["peak_bytes"] > row["predicted_bytes"] > 0
+    assert row["allocated_peak_bytes"] is None  # a CPU trial has no allocator figures
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run for real")

@@ -310,7 +310,8 @@ class SearchEstimator:
             return _FAILED
 
     def peak(self, plan: Plan) -> int | None:
-        """The predicted peak in the search's measure: tensors plus the baseline (CPU: the process; CUDA: the context)."""
+        """The predicted peak in the search's measure: tensors plus the baseline (CPU: the process's; CUDA: the
+        context, then what the shape's trials measured)."""
         tensors = self.tensors(plan)
         return None if tensors is None else tensors + self.baseline_for(plan)
 

@@ -322,10 +322,9 @@ class _Objective:
         trial.set_user_attr("plan_key", plan.key())
         cached = self._cached(trial, plan)
         if cached is not None:
-            value = self._record(trial, cached, source="cache")
-            earlier = trial.study.get_trials(deepcopy=False)[trial.user_attrs["cached_from"]]
-            ran_out = earlier.user_attrs.get("source") == "measured"
-            if cached.status == "oom" and ran_out:  # a resumed search meets its earlier 'auto' that ran out
+            result, measured = cached
+            value = self._record(trial, result, source="cache")
+            if result.status == "oom" and measured:  # a resumed search meets its earlier 'auto' that ran out
                 self._auto_ran_out(trial, params, plan.micro_batch_size)
             return value
         # A plan whose least peak is known to be under the rejection bar (a larger micro-batch of its shape is) runs
@@ -408,7 +407,9 @@ class _Objective:
                 trial.set_user_attr(key, value)
         return float(result.samples_per_second or 0.0) if result.status in ("ok", "pruned") else 0.0
 
-    def _cached(self, trial: Any, plan: Plan) -> TrialResult | None:
+    def _cached(self, trial: Any, plan: Plan) -> tuple[TrialResult, bool] | None:
+        """The result of an earlier trial of ``plan`` (measured, or estimated far over the budget) and whether it
+        was measured; None when there is none."""
         from optuna.trial import TrialState
 
         key = plan.key()
@@ -416,10 +417,11 @@ class _Objective:
             if other.user_attrs.get("plan_key") == key and other.user_attrs.get("source") != "cache":
                 attrs = other.user_attrs
                 trial.set_user_attr("cached_from", other.number)
-                return TrialResult(attrs.get("status", "ok"), samples_per_second=attrs.get("samples_per_second"),
-                                   tokens_per_second=attrs.get("tokens_per_second"),
-                                   peak_bytes=attrs.get("peak_bytes"), peak_noise_bytes=attrs.get("peak_noise_bytes"),
-                                   reason=attrs.get("reason", ""))
+                figures = ("samples_per_second", "tokens_per_second", "peak_bytes", "peak_noise_bytes",
+                           "allocated_peak_bytes", "context_bytes")
+                result = TrialResult(attrs.get("status", "ok"), reason=attrs.get("reason", ""),
+                                     **{name: attrs.get(name) for name in figures})
+                return result, attrs.get("source") == "measured"
         return None
 
     def _stop_below(self, study: Any) -> float | None:

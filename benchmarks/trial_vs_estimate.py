@@ -1,0 +1,129 @@
+"""A search trial's measured peak against the estimate the search made for it, split into its parts, one plan
+feature at a time: where the estimate and a trial part ways (on the H200, 5.25 GiB predicted against 11.86 GiB
+measured for the realistic search's best plan) and which feature does it.
+
+Each plan runs as a search trial does (``autotune.measure_plan``: a fresh process, the plan applied by its callbacks,
+compile, float8 and optimizer offload included) and is estimated as the search estimates it (``autotune.estimate``
+on the target's first batch, as the search does for a target whose batches keep their shape). Columns:
+
+- **predicted**: the estimate's peak, the bytes allocated to tensors in one step;
+- **allocated** (CUDA): the trial's largest step's peak of bytes allocated (``max_memory_allocated``), the figure
+  the estimate predicts; **error** is predicted against it;
+- **peak**: the trial's peak in the search's measure (CUDA: the allocator's peak reserve plus the CUDA context; CPU:
+  the process's resident set net of file pages, of which the tensors are only a part);
+- **reserve beyond tensors** and **context** (CUDA): the peak's other parts.
+
+The plans (CUDA, on ``benchmarks/gpu_targets.py:gpt_350m``, 310M parameters, context 1024): bf16-mixed at
+micro-batch 16 with full checkpointing (eager), then with optimizer offload, then also compiled with
+``compile_memory_budget`` 0 (the realistic search's best plan), then eager with float8 (``--quick``: the first
+three). On CPU, on the example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
+(``--quick``: the first only, a check of the plumbing).
+
+Usage::
+
+    python benchmarks/trial_vs_estimate.py --device cuda --quick --json trial_vs_estimate.json
+    python benchmarks/trial_vs_estimate.py --device cpu --quick
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _common.py, also when this file is loaded by path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import GPT_TARGET, HERE, add_device, add_json, machine, machine_line, make_parser, quiet, write_json
+
+#: The realistic search's target (``gpu_check.py``) and a smaller one for the CPU.
+CUDA_TARGET = f"{HERE / 'gpu_targets.py'}:gpt_350m"
+
+
+def plans(device: str, quick: bool) -> list[tuple[str, dict[str, Any]]]:
+    """The plans measured, each a label and its fields: one feature added at a time."""
+    if device != "cuda":
+        base = {"micro_batch_size": 8, "activation_checkpointing": 1.0}
+        rows = [("32-true, micro 8, ckpt 1.0", base),
+                ("+ compile budget 0", {**base, "compile": True, "compile_memory_budget": 0.0})]
+        return rows[:1] if quick else rows
+    base = {"precision": "bf16-mixed", "micro_batch_size": 16, "activation_checkpointing": 1.0}
+    offload = {**base, "optimizer_offload": True}
+    rows = [("bf16-mixed, micro 16, ckpt 1.0 (eager)", base),
+            ("+ optimizer offload", offload),
+            ("+ compile budget 0 (the search's best)", {**offload, "compile": True, "compile_memory_budget": 0.0}),
+            ("eager + float8", {**base, "float8": True})]
+    return rows[:3] if quick else rows
+
+
+def measure(target: str, label: str, fields: dict[str, Any], device: str, steps: int) -> dict[str, Any]:
+    """One plan: the trial's figures and the estimate's peak (None where the estimator cannot trace it)."""
+    import autotune
+
+    plan = autotune.Plan(**fields)
+    result = autotune.measure_plan(target=target, plan=plan, device=device, steps=steps, warmup=1, timeout=900)
+    loaded = autotune.load_target(target)
+    owner: Any = loaded.datamodule if loaded.datamodule is not None else loaded.model
+    if loaded.datamodule is not None:
+        loaded.datamodule.setup("fit")
+    batch = next(iter(owner.train_dataloader()))  # the first batch, as the search estimates a fixed-shape target
+    try:
+        found = autotune.estimate(model=loaded.model, batch=batch, plan=plan, device=device)
+        predicted: int | None = found.predicted_peak_bytes
+    except ValueError as err:  # a plan the estimator refuses: the row says so
+        predicted, note = None, str(err)
+    else:
+        note = "; ".join(n for n in found.notes if "not traced" in n)
+    return {"plan": label, "fields": fields, "status": result.status, "reason": result.reason,
+            "predicted_bytes": predicted, "peak_bytes": result.peak_bytes,
+            "allocated_peak_bytes": result.allocated_peak_bytes, "context_bytes": result.context_bytes,
+            "samples_per_second": result.samples_per_second, "note": note}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    from _common import markdown_table
+
+    largest = max((r["peak_bytes"] or 0 for r in rows), default=0)
+    unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+    def _in_unit(n: int | None) -> str:
+        return "-" if n is None else f"{n / scale:.2f}"
+
+    lines = []
+    for r in rows:
+        allocated, predicted = r["allocated_peak_bytes"], r["predicted_bytes"]
+        error = f"{(predicted - allocated) / allocated:+.1%}" if allocated and predicted is not None else "-"
+        beyond = (r["peak_bytes"] - allocated - (r["context_bytes"] or 0)
+                  if allocated is not None and r["peak_bytes"] is not None else None)
+        lines.append([r["plan"], r["status"] + (f" ({r['reason'][:60]})" if r["reason"] else ""), _in_unit(predicted),
+                      _in_unit(allocated), error, _in_unit(r["peak_bytes"]), _in_unit(beyond), _in_unit(r["context_bytes"])])
+    return markdown_table(["plan", "trial", f"predicted ({unit})", f"allocated ({unit})", "error", f"peak ({unit})",
+                           f"reserve beyond tensors ({unit})", f"context ({unit})"], lines, right=(2, 3, 4, 5, 6, 7))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    add_device(parser)
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer plans and steps (CUDA: 3 plans, CPU: 1; 3 timed steps)")
+    parser.add_argument("--target", default=None,
+                        help=f"the target (default: {CUDA_TARGET} on CUDA, {GPT_TARGET} on CPU)")
+    add_json(parser)
+    args = parser.parse_args(argv)
+    quiet()
+    target = args.target or (CUDA_TARGET if args.device == "cuda" else GPT_TARGET)
+    m = machine(args.device)
+    print(machine_line(m))
+    print(f"\ntarget {target}: each plan one search trial (fresh process) and the search's estimate\n")
+    rows = [measure(target, label, fields, args.device, 3 if args.quick else 6)
+            for label, fields in plans(args.device, args.quick)]
+    print(table(rows))
+    for r in rows:
+        if r["note"]:
+            print(f"- {r['plan']}: {r['note']}")
+    write_json(args.json, {"machine": m, "target": target, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
