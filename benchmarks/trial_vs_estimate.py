@@ -1,14 +1,15 @@
-"""A search trial's measured peak against the estimate the search made for it, split into its parts, one plan
-feature at a time: where the estimate and a trial part ways (on the H200, 5.25 GiB predicted against 11.86 GiB
-measured for the realistic search's best plan) and which feature does it.
+"""A search trial's measured peak against the estimator's, split into its parts, one plan feature at a time: where
+the estimate and a trial part ways (on the H200, 5.25 GiB predicted against 11.86 GiB measured for the realistic
+search's best plan) and which feature does it.
 
 Each plan runs as a search trial does (``autotune.measure_plan``: a fresh process, the plan applied by its callbacks,
-compile, float8 and optimizer offload included) and is estimated as the search estimates it (``autotune.estimate``
-on the target's first batch, as the search does for a target whose batches keep their shape). Columns:
+compile, float8 and optimizer offload included) and is estimated by ``autotune.estimate`` on the target's first
+batch (what the search's estimate of a target whose batches keep their shape starts from, before it adds the CUDA
+context and what earlier trials of the plan's shape measured beyond their tensors). Columns:
 
-- **predicted**: the estimate's peak, the bytes allocated to tensors in one step;
-- **allocated** (CUDA): the trial's largest step's peak of bytes allocated (``max_memory_allocated``), the figure
-  the estimate predicts; **error** is predicted against it;
+- **est. tensors**: the estimate's peak, the bytes allocated to tensors in one step;
+- **tensors** (CUDA): the trial's largest step's peak of bytes allocated (``max_memory_allocated``), the figure
+  the estimate predicts; **error** is the estimate against it;
 - **peak**: the trial's peak in the search's measure (CUDA: the allocator's peak reserve plus the CUDA context; CPU:
   the process's resident set net of file pages, of which the tensors are only a part);
 - **reserve beyond tensors** and **context** (CUDA): the peak's other parts.
@@ -56,12 +57,17 @@ def plans(device: str, quick: bool) -> list[tuple[str, dict[str, Any]]]:
     return rows[:3] if quick else rows
 
 
+#: Seconds one trial may take (a compile included) before it is stopped and its row says so.
+TRIAL_TIMEOUT = 280
+
+
 def measure(target: str, label: str, fields: dict[str, Any], device: str, steps: int) -> dict[str, Any]:
     """One plan: the trial's figures and the estimate's peak (None where the estimator cannot trace it)."""
     import autotune
 
     plan = autotune.Plan(**fields)
-    result = autotune.measure_plan(target=target, plan=plan, device=device, steps=steps, warmup=1, timeout=900)
+    result = autotune.measure_plan(target=target, plan=plan, device=device, steps=steps, warmup=1,
+                                   timeout=TRIAL_TIMEOUT)
     loaded = autotune.load_target(target)
     owner: Any = loaded.datamodule if loaded.datamodule is not None else loaded.model
     if loaded.datamodule is not None:
@@ -96,8 +102,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         beyond = (r["peak_bytes"] - allocated - (r["context_bytes"] or 0)
                   if allocated is not None and r["peak_bytes"] is not None else None)
         lines.append([r["plan"], r["status"] + (f" ({r['reason'][:60]})" if r["reason"] else ""), _in_unit(predicted),
-                      _in_unit(allocated), error, _in_unit(r["peak_bytes"]), _in_unit(beyond), _in_unit(r["context_bytes"])])
-    return markdown_table(["plan", "trial", f"predicted ({unit})", f"allocated ({unit})", "error", f"peak ({unit})",
+                      _in_unit(allocated), error, _in_unit(r["peak_bytes"]), _in_unit(beyond),
+                      _in_unit(r["context_bytes"])])
+    return markdown_table(["plan", "trial", f"est. tensors ({unit})", f"tensors ({unit})", "error", f"peak ({unit})",
                            f"reserve beyond tensors ({unit})", f"context ({unit})"], lines, right=(2, 3, 4, 5, 6, 7))
 
 
@@ -115,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     m = machine(args.device)
     print(machine_line(m))
     print(f"\ntarget {target}: each plan one search trial (fresh process) and the search's estimate\n")
-    rows = [measure(target, label, fields, args.device, 3 if args.quick else 6)
-            for label, fields in plans(args.device, args.quick)]
+    rows: list[dict[str, Any]] = []
+    for label, fields in plans(args.device, args.quick):
+        rows.append(measure(target, label, fields, args.device, 3 if args.quick else 6))
+        write_json(args.json, {"machine": m, "target": target, "rows": rows})  # kept if a later plan hangs
     print(table(rows))
     for r in rows:
         if r["note"]:
             print(f"- {r['plan']}: {r['note']}")
-    write_json(args.json, {"machine": m, "target": target, "rows": rows})
     return 0
 
 

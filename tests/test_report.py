@@ -83,32 +83,39 @@ def test_report_checks_for_matplotlib_before_printing_anything(tmp_path: Path, c
 
 
 
-def _study(cuda: bool) -> optuna.Study:
+def _study(cuda: bool, context: bool = True) -> optuna.Study:
     study = optuna.create_study(study_name="r", direction="maximize")
     study.set_user_attr("budget_bytes", 16 * 2**30)
     micro = optuna.distributions.CategoricalDistribution([8, 16])
+    # micro, peak, tensors' peak, context; predicted: est. tensors (half the tensors' peak) plus the context estimate
     trials = ((16, 11 * 2**30, 9 * 2**30, 600 * 2**20), (8, 6 * 2**30, 5 * 2**30, 700 * 2**20))
-    for m, peak, allocated, context in trials:
+    for m, peak, allocated, measured_context in trials:
         attrs = {"plan": f"bf16-mixed, micro {m}", "status": "ok", "samples_per_second": 10.0 * m,
-                 "peak_bytes": peak, "predicted_peak_bytes": allocated // 2}
+                 "peak_bytes": peak, "predicted_peak_bytes": allocated // 2 + 2**29,
+                 "predicted_tensor_bytes": allocated // 2}
         if cuda:
-            attrs |= {"allocated_peak_bytes": allocated, "context_bytes": context}
+            attrs |= {"allocated_peak_bytes": allocated, "context_bytes": measured_context if context else None}
         study.add_trial(optuna.trial.create_trial(params={"micro_batch_size": m},
                                                   distributions={"micro_batch_size": micro}, value=10.0 * m,
                                                   user_attrs=attrs))
     return study
 
 
-def test_a_cuda_study_shows_each_trials_tensor_peak_and_the_contexts() -> None:
+def test_a_cuda_study_shows_each_trials_tensor_peak_beside_the_estimators() -> None:
     lines = trial_table(_study(cuda=True)).splitlines()
     header = lines[1].split()
-    assert header[:8] == ["#", "state", "samples/s", "95%", "int.", "peak", "allocated", "predicted"]
+    assert header[:10] == ["#", "state", "samples/s", "95%", "int.", "peak", "predicted", "tensors", "est.",
+                           "tensors"]
     row = next(line for line in lines if line.split()[:1] == ["0"])
-    assert "11.00 GiB    9.00 GiB      4.50 GiB" in row  # peak, allocated, predicted: the gap is in sight
-    assert ("peak: the allocator's peak reserve plus the CUDA context (600.00 MiB-700.00 MiB); allocated: the "
-            "tensors' peak, what 'predicted' estimates") in lines
+    # peak, predicted (in the peak's measure), the trial's tensors' peak and the estimator's: the gap is in sight
+    assert "11.00 GiB      5.00 GiB    9.00 GiB     4.50 GiB yes" in row
+    assert lines[-1] == ("peak: the allocator's peak reserve plus the CUDA context (600.00 MiB-700.00 MiB); predicted: "
+                         "the estimator's tensors plus the context estimate and its plan shape's gap measured by "
+                         "earlier trials; tensors: the trial's peak of bytes allocated, est. tensors: the estimator's")
+    unlisted = trial_table(_study(cuda=True, context=False)).splitlines()[-1]
+    assert "(not measured: NVML does not list the process)" in unlisted
 
 
-def test_a_cpu_study_has_no_allocated_column() -> None:
+def test_a_cpu_study_has_no_tensor_columns() -> None:
     table = trial_table(_study(cuda=False))
-    assert "allocated" not in table and "11.00 GiB      4.50 GiB" in table
+    assert "tensors" not in table and "11.00 GiB      5.00 GiB yes" in table

@@ -135,6 +135,8 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
     whole, auto = result.study.get_trials()[:2]
     assert whole.state == TrialState.COMPLETE and whole.user_attrs["source"] == "estimate"  # never ran
     assert whole.user_attrs["status"] == "oom" and whole.user_attrs["predicted_peak_bytes"] > 1.5 * 1.5 * 2**30
+    # the prediction in the peak's measure is the estimator's tensors plus the process baseline (on CPU, measured)
+    assert 0 < whole.user_attrs["predicted_tensor_bytes"] < whole.user_attrs["predicted_peak_bytes"]
     chosen = auto.user_attrs["auto_micro_batch_size"]
     assert 2 <= chosen < 32 and auto.user_attrs["source"] == "measured"
     assert auto.user_attrs["peak_bytes"] <= 1.5 * 2**30  # the estimator's choice fits when measured

@@ -226,29 +226,42 @@ def test_a_trial_reports_how_much_its_timed_steps_peaks_varied(monkeypatch: pyte
     assert meter.timed_from == 2 and meter.result().peak_noise_bytes == 4  # warm-up's growth is no noise
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("other_rank", [None, (900, 460, 80), (700, 999, 999)])
 def test_a_cuda_trial_reports_its_tensors_peak_and_context_beside_its_peak(monkeypatch: pytest.MonkeyPatch,
-                                                                          tmp_path: Any, ranks: int) -> None:
+                                                                          tmp_path: Any, other_rank: Any) -> None:
+    """One rank, or two: the trial's peak is the worst rank's, with that rank's tensors' peak and context (another
+    rank's larger parts under a smaller peak are not mixed in)."""
     import json
 
     monkeypatch.setattr(meter_module, "_sync", lambda device: None)  # no device to wait for: played on the host
     host_tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda data, dtype=None, device=None: host_tensor(data, dtype=dtype))
-    # the allocator's reserve and its tensors' peak at each step's end (and once more at the end of training)
-    meter = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([500, 700, 600, 650, 640]),
-                       allocated=iter([300, 450, 400, 420, 410]), device="cuda", steps=2)
+    # the allocator's reserve and its tensors' peak at each step's end (and at the end of training, twice here)
+    meter = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([500, 700, 600, 650, 640, 640]),
+                       allocated=iter([300, 450, 400, 420, 410, 410]), device="cuda", steps=2)
     monkeypatch.setattr(meter_module, "_context_bytes", lambda device: 64)
-    other_rank = [900, 460, 80]  # its peak, tensors' peak and context: the largest of each is the trial's
+    calls: list[list[int]] = []
 
-    def reduce(figures: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        assert reduce_op == "max"
-        return torch.maximum(figures, torch.tensor(other_rank))
+    def reduce(figures: torch.Tensor, reduce_op: str) -> torch.Tensor:  # the other rank's side of an all-reduce
+        assert reduce_op == "max" and other_rank is not None
+        calls.append(figures.tolist() if figures.dim() else [int(figures)])
+        peak, *parts = other_rank
+        if len(calls) == 1:
+            return torch.maximum(figures, torch.tensor(peak))
+        theirs = parts if peak >= max(calls[0][0], peak) else [-1, -1]
+        return torch.maximum(figures, torch.tensor(theirs))
 
-    trainer = SimpleNamespace(world_size=ranks, global_rank=0, strategy=SimpleNamespace(reduce=reduce))
+    trainer = SimpleNamespace(world_size=1 if other_rank is None else 2, global_rank=0,
+                              strategy=SimpleNamespace(reduce=reduce))
     meter.on_train_end(trainer, SimpleNamespace(device=torch.device("cuda")))
     result = json.loads((tmp_path / "r.json").read_text())
-    expected = (700 + 64, 450, 64) if ranks == 1 else (900, 460, 80)
+    expected = (900, 460, 80) if other_rank and other_rank[0] > 764 else (700 + 64, 450, 64)
     assert (result["peak_bytes"], result["allocated_peak_bytes"], result["context_bytes"]) == expected
+    if other_rank is None:  # the end once more, where NVML does not list the process: no context known
+        monkeypatch.setattr(meter_module, "_context_bytes", lambda device: None)
+        meter.on_train_end(trainer, SimpleNamespace(device=torch.device("cuda")))
+        unlisted = json.loads((tmp_path / "r.json").read_text())
+        assert (unlisted["peak_bytes"], unlisted["allocated_peak_bytes"], unlisted["context_bytes"]) == (700, 450, None)
     cpu = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([5, 7, 6, 6, 6]), steps=2).result()
     assert cpu.allocated_peak_bytes is None and cpu.context_bytes is None  # a CPU trial's peak has no such parts
 
@@ -398,7 +411,7 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
 
     from autotune import load_target
     from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.rank import SearchEstimator, even_micro_batches
 
     gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
     # what-if on this machine: the trial's peak is the allocator's reserve plus the context, the estimate's tensors
@@ -408,11 +421,15 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
     budget = at16 + CUDA_CONTEXT_BYTES
     assert estimator.largest_micro(Plan(), budget, 32) == 16  # the context counts against the budget
     assert estimator.largest_micro(Plan(), budget - 1, 32) == 11  # three passes
-    # a trial at 16 measured 64 MiB more than predicted (fragmentation, an untraced compile...): that shape's 'auto'
-    # moves down; another shape keeps the context alone until measured
-    gap = 64 * 2**20
+    # a trial at 16 measured 2 MiB more than predicted (fragmentation, an untraced compile...): that shape's 'auto'
+    # moves down, with the gap measured at 16 below it too (not on a line down to the context, a guess); another
+    # shape keeps the context alone until measured
+    gap = 2 * 2**20
     assert estimator.calibrate(Plan(micro_batch_size=16, num_workers=2), budget + gap)
     assert estimator.peak(Plan(micro_batch_size=16)) == budget + gap
-    assert estimator.largest_micro(Plan(), budget, 32) < 16
+    assert estimator.baseline_for(Plan(micro_batch_size=2)) == CUDA_CONTEXT_BYTES + gap
+    fitting = [m for m in even_micro_batches(32)
+               if estimator.tensors(Plan(micro_batch_size=m)) + CUDA_CONTEXT_BYTES + gap <= budget]
+    assert estimator.largest_micro(Plan(), budget, 32) == max(fitting) < 16
     assert estimator.peak(Plan(micro_batch_size=16, activation_checkpointing=1.0)) == (
         estimator.tensors(Plan(micro_batch_size=16, activation_checkpointing=1.0)) + CUDA_CONTEXT_BYTES)

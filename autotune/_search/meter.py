@@ -54,8 +54,9 @@ class TrialResult:
     (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
     measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
     file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
-    bytes allocated to tensors (what the estimator predicts) and ``context_bytes`` the context counted in the peak:
-    the rest of the peak is the allocator's reserve beyond its tensors. ``interval`` is the 95% interval of ``samples_per_second`` over this
+    bytes allocated to tensors (what the estimator's tensors predict) and ``context_bytes`` the context counted in
+    the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
+    allocator's reserve beyond its tensors. ``interval`` is the 95% interval of ``samples_per_second`` over this
     run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
     search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
     timing started (more than asked while the step time was settling).
@@ -280,20 +281,24 @@ def make_meter(**kwargs: Any) -> Any:
             return max(steady) - min(steady) if len(steady) > 1 else None
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            context = _context_bytes(pl_module.device)
-            self.peak = max(self.step_peak, self._peak(pl_module)) + context
-            if pl_module.device.type == "cuda":
+            cuda = pl_module.device.type == "cuda"
+            context = _context_bytes(pl_module.device)  # CUDA: None where NVML does not list the process
+            self.peak = max(self.step_peak, self._peak(pl_module)) + (context or 0)
+            if cuda:
                 self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
                 self.context = context
-            if trainer.world_size > 1:  # the largest of the ranks (the budget is per device)
+            if trainer.world_size > 1:  # the worst rank's peak (the budget is per device), with that rank's parts
                 import torch
 
-                figures = torch.tensor([self.peak, self.allocated_peak or 0, context], dtype=torch.int64,
-                                       device=pl_module.device)
-                peak, allocated, most_context = (int(x) for x in trainer.strategy.reduce(figures, reduce_op="max"))
-                self.peak = peak
-                if pl_module.device.type == "cuda":
-                    self.allocated_peak, self.context = allocated, most_context
+                mine = self.peak
+                self.peak = int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.int64, device=pl_module.device),
+                                                        reduce_op="max"))
+                if cuda:  # every rank's device is CUDA or none is: all take part in this second collective or none
+                    worst = mine == self.peak  # -1: not this rank's, or not known
+                    parts = [x if worst and x is not None else -1 for x in (self.allocated_peak, self.context)]
+                    reduced = trainer.strategy.reduce(torch.tensor(parts, dtype=torch.int64, device=pl_module.device),
+                                                      reduce_op="max")
+                    self.allocated_peak, self.context = (int(x) if x >= 0 else None for x in reduced.tolist())
             if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
                 Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 
@@ -377,9 +382,9 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _context_bytes(device: Any) -> int:
-    """CUDA: what NVML counts for this process beyond the allocator's reserve (the CUDA context; 0 where NVML does
-    not list the process); 0 on CPU."""
+def _context_bytes(device: Any) -> int | None:
+    """CUDA: what NVML counts for this process beyond the allocator's reserve (the CUDA context; None where NVML does
+    not list the process, e.g. in a container); 0 on CPU."""
     if device.type != "cuda":
         return 0
     import torch
@@ -387,4 +392,4 @@ def _context_bytes(device: Any) -> int:
     from autotune._device.probe import process_device_bytes
 
     process_now = process_device_bytes(device.index or 0)
-    return max(0, process_now - torch.cuda.memory_reserved(device)) if process_now is not None else 0
+    return max(0, process_now - torch.cuda.memory_reserved(device)) if process_now is not None else None

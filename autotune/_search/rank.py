@@ -282,10 +282,14 @@ class SearchEstimator:
 
     def _baseline_at(self, key: str, micro: float) -> int:
         """Shape ``key``'s baseline at ``micro``: between its own measurements, over the first measured at its
-        micro-batch (the short run's at micro-batch 1: the process with few tensors, which any shape has below its
-        own); the first measured for a shape not measured."""
+        micro-batch (on CPU the short run's at micro-batch 1: the process with few tensors, which any shape has below
+        its own; on CUDA the context is an estimate, not a measurement: a shape's own only, the nearest below or
+        above them, since much of a CUDA gap need not shrink with the micro-batch); the first for a shape not
+        measured."""
         own = self._shape_baselines.get(key)
-        return interpolated({self._first_micro: self.baseline, **own}, micro) if own else self.baseline
+        if not own:
+            return self.baseline
+        return interpolated(own if self.device.type == "cuda" else {self._first_micro: self.baseline, **own}, micro)
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
         """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""

@@ -51,6 +51,7 @@ def _rows(study: Any) -> list[dict[str, Any]]:
             "reason": attrs.get("reason", ""), "chosen": choice.get("trial") == t.number,
             "predicted_peak_bytes": attrs.get("predicted_peak_bytes"), "estimate_method": attrs.get("estimate_method"),
             "allocated_peak_bytes": attrs.get("allocated_peak_bytes"), "context_bytes": attrs.get("context_bytes"),
+            "predicted_tensor_bytes": attrs.get("predicted_tensor_bytes"),
             "remeasured": [r.get("samples_per_second") or 0.0 for r in again.get(str(t.number), [])],
         })
     return rows
@@ -74,8 +75,8 @@ def trial_table(study: Any) -> str:
              f"space {study.user_attrs.get('space', '?')}"]
     rows = _rows(study)
     cuda = any(r["allocated_peak_bytes"] is not None for r in rows)  # the peak's parts, where a trial measured them
-    header = (f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} "
-              + (f"{'allocated':>11} " if cuda else "") + f"{'predicted':>13} {'fits':<4}  plan / reason")
+    header = (f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} {'predicted':>13} "
+              + (f"{'tensors':>11} {'est. tensors':>12} " if cuda else "") + f"{'fits':<4}  plan / reason")
     lines += [header, "-" * len(header)]
     for r in rows:
         sps = f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-"
@@ -87,15 +88,19 @@ def trial_table(study: Any) -> str:
         again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
         mark = "*" if r["chosen"] else " "
         half = _half(r["interval"], r["samples_per_second"])
-        allocated = "-" if r["allocated_peak_bytes"] is None else format_bytes(r["allocated_peak_bytes"])
-        lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {half:>8} {peak:>11} "
-                     + (f"{allocated:>11} " if cuda else "") + f"{predicted:>13} {fits:<4}  {r['plan']}{why}{again}")
+        tensors = "" if not cuda else " ".join(
+            f"{'-' if r[k] is None else format_bytes(r[k]):>{w}}"
+            for k, w in (("allocated_peak_bytes", 11), ("predicted_tensor_bytes", 12))) + " "
+        lines.append(f"{mark}{r['trial']:>4}  {r['state']:<8} {sps:>10} {half:>8} {peak:>11} {predicted:>13} "
+                     f"{tensors}{fits:<4}  {r['plan']}{why}{again}")
     if cuda:
-        contexts = [r["context_bytes"] for r in rows if r["context_bytes"] is not None] or [0]
-        low, high = format_bytes(min(contexts)), format_bytes(max(contexts))
-        context = low if low == high else f"{low}-{high}"
-        lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); allocated: the tensors' "
-                     "peak, what 'predicted' estimates")
+        contexts = [r["context_bytes"] for r in rows if r["context_bytes"] is not None]
+        low, high = (format_bytes(min(contexts)), format_bytes(max(contexts))) if contexts else ("", "")
+        context = "not measured: NVML does not list the process" if not contexts else (
+            low if low == high else f"{low}-{high}")
+        lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the estimator's "
+                     "tensors plus the context estimate and its plan shape's gap measured by earlier trials; tensors: "
+                     "the trial's peak of bytes allocated, est. tensors: the estimator's")
     marks = sorted({r["estimate_method"] for r in rows} & _METHOD_MARK.keys())
     if marks:
         lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))

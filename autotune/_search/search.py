@@ -334,6 +334,7 @@ class _Objective:
         predicted = None if bounded else self.predict(plan)
         if predicted is not None:
             trial.set_user_attr("predicted_peak_bytes", predicted)
+            trial.set_user_attr("predicted_tensor_bytes", self.estimator.tensors(plan))  # without the baseline
             trial.set_user_attr("estimate_method", self.estimator.method(plan))
             least = self.estimator.least_peak(plan)
             if least is not None and least > limit:
