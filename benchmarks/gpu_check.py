@@ -12,23 +12,27 @@ command, exit status, seconds, the lines that matter and where its full output i
 traceback: ``-rA`` output and a junit XML). Steps:
 
 1. ``pytest -m gpu``: the tests that need CUDA.
-2. the whole suite with CUDA visible (``--quick``: the layout tests only).
-3. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
-4. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
+2. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
+3. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
    CPU: its options only, a run takes minutes).
-5. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
+4. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
    under an allocator cap; ``--quick``: the tokens rule, and real memory on a GPU).
-6. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
+5. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
    ``gpt_350m`` built up one feature at a time, each trial's tensors' peak, reserve and context beside the estimate;
    ``--quick`` on a CPU: one plan of the small GPT example).
-7. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
+6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
    16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
-8. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
+7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
    ``--quick`` on a CPU: its options only).
+8. the whole suite with CUDA visible, less the gpu tests (step 1), last since it is the longest: in parallel on half
+   the cores (at most 8 workers) where pytest-xdist is installed (``--quick`` on a CPU: the layout tests only).
+
+``--only`` names steps to run (an unknown name is refused, with the steps' names).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -68,7 +72,11 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
     def pytest(name: str, *args: str) -> list[str]:
         return [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={out / (name + '.xml')}", *args]
 
-    suite = ["tests/test_layout.py"] if quick else []
+    # the suite less the gpu tests (step 1 ran them): on a CPU in quick mode the layout tests only; in parallel where
+    # pytest-xdist is installed (a lent GPU machine's cores: the suite takes 15 minutes on 2)
+    suite = ["tests/test_layout.py"] if cpu_quick else []
+    if not cpu_quick and importlib.util.find_spec("xdist") is not None:
+        suite += ["-n", str(max(2, min(8, (os.cpu_count() or 2) // 2)))]
     search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "2") if cpu_quick
                                      else ("benchmarks/gpu_targets.py:gpt_350m", "16GiB", "4" if quick else "8"))
     search = [python, "-m", "autotune", "search", search_target, "--budget", budget, "--trials", trials,
@@ -76,7 +84,6 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
               "--steps", "3" if quick else "10", "--warmup", "1" if quick else "3"]
     return [
         Step("gpu tests", pytest("gpu-tests", "-m", "gpu", "-q"), 900),
-        Step("whole suite with CUDA visible", pytest("suite", "-q", *suite), 1500),
         Step("estimator accuracy", [python, "benchmarks/estimator_accuracy.py", "--device", device,
                                     *(["--quick", "--models", "mlp"] if quick else []),
                                     "--json", str(out / "estimator_accuracy.json")], 900),
@@ -96,6 +103,7 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
                                           *(["--help"] if cpu_quick else ["--quick"] if quick else []),
                                           *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
              1500),
+        Step("whole suite with CUDA visible", pytest("suite", "-q", "-m", "not gpu", *suite), 1500),
     ]
 
 
@@ -160,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=25.0,
                         help="start no step once this many minutes are spent; each step ends by then (default 25)")
     args = parser.parse_args(argv)
+    every = steps(args.device, args.quick, args.out)
+    unknown = [name for name in args.only or () if name not in {s.name for s in every}]
+    if unknown:
+        print(f"gpu_check: --only {unknown[0]!r} is not a step; the steps: "
+              + ", ".join(repr(s.name) for s in every), file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
@@ -169,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
     info = {**machine(args.device), "driver": driver()}
-    todo = [s for s in steps(args.device, args.quick, args.out) if args.only is None or s.name in args.only]
+    todo = [s for s in every if args.only is None or s.name in args.only]
     done, deadline = [], time.monotonic() + 60 * args.minutes
     for step in todo:
         left = deadline - time.monotonic()

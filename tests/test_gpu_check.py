@@ -20,9 +20,9 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["gpu tests", "whole suite with CUDA visible", "estimator accuracy",
-                     "elastic overhead and one real OOM", "dynamic padding", "trial against estimate",
-                     "realistic search", "against the alternatives"]
+    assert names == ["gpu tests", "estimator accuracy", "elastic overhead and one real OOM", "dynamic padding",
+                     "trial against estimate", "realistic search", "against the alternatives",
+                     "whole suite with CUDA visible"]
     assert all(s["status"] == "ok" for s in report["steps"]), [(s["name"], s["status"]) for s in report["steps"]]
     text = (tmp_path / "report.md").read_text()
     assert "driver: none (no NVIDIA driver)" in text and "| gpu tests | ok | 0 |" in text
@@ -30,6 +30,35 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Pa
     [row] = json.loads((tmp_path / "trial_vs_estimate.json").read_text())["rows"]  # a trial and its estimate
     assert row["status"] == "ok" and row["peak_bytes"] > row["predicted_bytes"] > 0
     assert row["allocated_peak_bytes"] is None  # a CPU trial has no allocator figures
+
+
+def test_gpu_check_refuses_an_unknown_step_in_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--out",
+                           str(tmp_path), "--only", "gpu tests", "dynamic paddin"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+    assert proc.stderr.startswith("gpu_check: --only 'dynamic paddin' is not a step; the steps: 'gpu tests', ")
+    assert proc.stderr.count("\n") == 1 and "'whole suite with CUDA visible'" in proc.stderr
+
+
+def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_where_xdist_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import steps
+
+    def suite(device: str, quick: bool, xdist: bool) -> list[str]:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",  # installed or not, whatever this machine has
+                            lambda name, *a: (object() if xdist else None) if name == "xdist" else real(name, *a))
+        monkeypatch.setattr("os.cpu_count", lambda: 16)
+        command = next(s.command for s in steps(device, quick, ROOT) if s.name == "whole suite with CUDA visible")
+        return command[command.index("-q"):]
+
+    assert suite("cuda", True, True) == ["-q", "-m", "not gpu", "-n", "8"]
+    assert suite("cuda", True, False) == suite("cuda", False, False) == ["-q", "-m", "not gpu"]
+    assert suite("cpu", True, True) == ["-q", "-m", "not gpu", "tests/test_layout.py"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run for real")
