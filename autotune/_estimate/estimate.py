@@ -37,7 +37,8 @@ class TargetEstimate:
     ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure: on CPU, where the
     budget is the process's resident set net of file pages, a measured baseline (see ``autotune estimate``); 0 on CUDA,
     where the budget caps the allocator as ``ElasticBatchSize`` caps it, the context outside (a search's trials count
-    the context in their peaks, and its predictions add it: docs/search.md). ``peak_bytes`` is the estimate plus it, what the budget is compared with."""
+    the context in their peaks, and its predictions add it: docs/search.md). ``peak_bytes`` is the estimate plus it,
+    what the budget is compared with."""
 
     estimate: Estimate
     batch_size: int

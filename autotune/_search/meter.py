@@ -294,7 +294,8 @@ def make_meter(**kwargs: Any) -> Any:
                 self.peak = int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.int64, device=pl_module.device),
                                                         reduce_op="max"))
                 if cuda:  # every rank's device is CUDA or none is: all take part in this second collective or none
-                    worst = mine == self.peak  # -1: not this rank's, or not known
+                    worst = mine == self.peak
+                    # -1: not the worst rank's parts, or not known (NVML does not list the process)
                     parts = [x if worst and x is not None else -1 for x in (self.allocated_peak, self.context)]
                     reduced = trainer.strategy.reduce(torch.tensor(parts, dtype=torch.int64, device=pl_module.device),
                                                       reduce_op="max")

@@ -98,9 +98,9 @@ def trial_table(study: Any) -> str:
         low, high = (format_bytes(min(contexts)), format_bytes(max(contexts))) if contexts else ("", "")
         context = "not measured: NVML does not list the process" if not contexts else (
             low if low == high else f"{low}-{high}")
-        lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the estimator's "
-                     "tensors plus the context estimate and its plan shape's gap measured by earlier trials; tensors: "
-                     "the trial's peak of bytes allocated, est. tensors: the estimator's")
+        lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the "
+                     "estimator's tensors plus the context estimate and its plan shape's gap measured by earlier "
+                     "trials; tensors: the trial's peak of bytes allocated, est. tensors: the estimator's")
     marks = sorted({r["estimate_method"] for r in rows} & _METHOD_MARK.keys())
     if marks:
         lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))
