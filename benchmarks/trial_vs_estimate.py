@@ -86,6 +86,12 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
             "samples_per_second": result.samples_per_second, "note": note}
 
 
+def error(row: dict[str, Any]) -> str:
+    """The estimated tensors against the trial's tensors' peak (CUDA), or "-"."""
+    allocated, predicted = row["allocated_peak_bytes"], row["predicted_bytes"]
+    return f"{(predicted - allocated) / allocated:+.1%}" if allocated and predicted is not None else "-"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     from _common import markdown_table
 
@@ -98,11 +104,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         allocated, predicted = r["allocated_peak_bytes"], r["predicted_bytes"]
-        error = f"{(predicted - allocated) / allocated:+.1%}" if allocated and predicted is not None else "-"
         beyond = (r["peak_bytes"] - allocated - (r["context_bytes"] or 0)
                   if allocated is not None and r["peak_bytes"] is not None else None)
         lines.append([r["plan"], r["status"] + (f" ({r['reason'][:60]})" if r["reason"] else ""), _in_unit(predicted),
-                      _in_unit(allocated), error, _in_unit(r["peak_bytes"]), _in_unit(beyond),
+                      _in_unit(allocated), error(r), _in_unit(r["peak_bytes"]), _in_unit(beyond),
                       _in_unit(r["context_bytes"])])
     return markdown_table(["plan", "trial", f"est. tensors ({unit})", f"tensors ({unit})", "error", f"peak ({unit})",
                            f"reserve beyond tensors ({unit})", f"context ({unit})"], lines, right=(2, 3, 4, 5, 6, 7))
@@ -130,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["note"]:
             print(f"- {r['plan']}: {r['note']}")
+    for r in rows:  # one line each that gpu_check's report keeps (it keeps the lines that name an error)
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+        print(f"{r['plan']}: {r['status']}, peak {peak}, error of the estimated tensors {error(r)}")
     return 0
 
 
