@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from _common import current_host_bytes
+from _common import current_host_bytes, first_batch
 
 #: The ``micro_batch_size`` choice the search resolves with the estimator.
 AUTO = "auto"
@@ -45,11 +45,8 @@ class AutoMicro:
         from autotune import estimate
 
         try:
-            if self._batch is None:  # the first training batch, as a trial's first step sees it
-                owner = self.target.datamodule if self.target.datamodule is not None else self.target.model
-                if self.target.datamodule is not None:
-                    self.target.datamodule.setup("fit")
-                self._batch = next(iter(owner.train_dataloader()))
+            if self._batch is None:
+                self._batch = first_batch(self.target)
             found = estimate(model=self.target.model, batch=self._batch, plan=plan, device=self.device)
             if self.device == "cuda":
                 self.baseline = found.context_bytes

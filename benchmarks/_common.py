@@ -233,6 +233,16 @@ def _status(*keys: str) -> list[int] | None:
     return [found[k] for k in keys] if len(found) == len(keys) else None
 
 
+def first_batch(target: Any) -> Any:
+    """The first training batch of a loaded target (``autotune.load_target``): its DataModule set up for fit, or the
+    model's own ``train_dataloader``; what a trial's first step and the search's estimate of a fixed-shape target
+    see."""
+    owner = target.datamodule if target.datamodule is not None else target.model
+    if target.datamodule is not None:
+        target.datamodule.setup("fit")
+    return next(iter(owner.train_dataloader()))
+
+
 def current_host_bytes() -> int:
     """This process's memory in a CPU budget's measure (docs/elastic.md): the resident set net of file-backed pages,
     Linux ``RssAnon + RssShmem``; psutil's RSS elsewhere."""

@@ -35,7 +35,18 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # _common.py, also when this file is loaded by path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import GPT_TARGET, HERE, add_device, add_json, machine, machine_line, make_parser, quiet, write_json
+from _common import (  # noqa: E402
+    GPT_TARGET,
+    HERE,
+    add_device,
+    add_json,
+    first_batch,
+    machine,
+    machine_line,
+    make_parser,
+    quiet,
+    write_json,
+)
 
 #: The realistic search's target (``gpu_check.py``) and a smaller one for the CPU.
 CUDA_TARGET = f"{HERE / 'gpu_targets.py'}:gpt_350m"
@@ -69,10 +80,7 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
     result = autotune.measure_plan(target=target, plan=plan, device=device, steps=steps, warmup=1,
                                    timeout=TRIAL_TIMEOUT)
     loaded = autotune.load_target(target)
-    owner: Any = loaded.datamodule if loaded.datamodule is not None else loaded.model
-    if loaded.datamodule is not None:
-        loaded.datamodule.setup("fit")
-    batch = next(iter(owner.train_dataloader()))  # the first batch, as the search estimates a fixed-shape target
+    batch = first_batch(loaded)
     try:
         found = autotune.estimate(model=loaded.model, batch=batch, plan=plan, device=device)
         predicted: int | None = found.predicted_peak_bytes

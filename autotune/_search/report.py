@@ -95,9 +95,10 @@ def trial_table(study: Any) -> str:
                      f"{tensors}{fits:<4}  {r['plan']}{why}{again}")
     if cuda:
         contexts = [r["context_bytes"] for r in rows if r["context_bytes"] is not None]
-        low, high = (format_bytes(min(contexts)), format_bytes(max(contexts))) if contexts else ("", "")
-        context = "not measured: NVML does not list the process" if not contexts else (
-            low if low == high else f"{low}-{high}")
+        context = "not measured: NVML does not list the process"
+        if contexts:
+            low, high = format_bytes(min(contexts)), format_bytes(max(contexts))
+            context = low if low == high else f"{low}-{high}"
         lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the "
                      "estimator's tensors plus the context estimate and its plan shape's gap measured by earlier "
                      "trials; tensors: the trial's peak of bytes allocated, est. tensors: the estimator's")
