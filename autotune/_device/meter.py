@@ -51,6 +51,15 @@ class MemoryMeter:
             return cuda_stat(self.device, "reserved_bytes", "peak")
         return peak_host_bytes()
 
+    def peaks(self) -> tuple[int, int]:
+        """:meth:`peak` and :meth:`peak_allocated` from one read of the statistics (CUDA; both the host peak on CPU)."""
+        if self.is_cuda:
+            stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+            return tuple(int(stats.get(name, {}).get("all", {}).get("peak", 0))  # type: ignore[return-value]
+                         for name in ("reserved_bytes", "allocated_bytes"))
+        peak = peak_host_bytes()
+        return peak, peak
+
     def peak_allocated(self) -> int:
         """Peak bytes held by live tensors since :meth:`start` (CUDA); :meth:`peak` on CPU."""
         if self.is_cuda:

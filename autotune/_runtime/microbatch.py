@@ -45,7 +45,9 @@ from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
 
-#: Grow only when the step's peak, scaled to the larger micro-batch, stays under this share of the limit.
+#: Grow only when the step's peak, scaled to the larger micro-batch, stays under this share of the limit; the shape
+#: model's byte cap is the same share. On CUDA the peak is the tensors' (bytes allocated): the rest of the limit is
+#: left to the allocator's rounding and fragmentation, and an OOM where that was not enough is replayed.
 GROW_HEADROOM = 0.9
 
 
@@ -369,7 +371,10 @@ class ElasticEngine(EvalSteps):
         return max(self.min_micro_batch_size, min(micro - 1, smaller))
 
     def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
-        peak = self.meter.peak() if self._measure else 0
+        # peak: what the budget counts (CUDA: the allocator's reserve); load: what this step's tensors took (CUDA: bytes
+        # allocated), which the shape model and growth learn from. The reserve keeps the cache of earlier, larger
+        # steps (its peak restarts from it), and the allocator frees that cache before it raises an OOM.
+        peak, load = self.meter.peaks() if self._measure else (0, 0)
         if self.growing_from is not None:
             self._record("grow", global_step, self.growing_from, micro, peak=peak)
             self.growing_from = None
@@ -380,14 +385,14 @@ class ElasticEngine(EvalSteps):
             limit = self.limit_bytes if self.hard_budget or self.budget_bytes is not None else None
             shapes.model.set_memory(limit_bytes=None if limit is None else int(GROW_HEADROOM * limit),
                                     static_bytes=static)
-        shapes.model.fitted(micro, shapes.size, max(0, peak - static) if self._measure else 0)
+        shapes.model.fitted(micro, shapes.size, max(0, load - static) if self._measure else 0)
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.varies
         # Several ranks, a soft budget, the same shapes everywhere: the worst rank's peak comes with the next step's
         # agreement and is checked then (one step later); a step that may grow agrees at once (growth needs it now).
         deferred = soft and not grow_due and self.agree.enabled and not shapes.agreed
         if (soft or grow_due) and not shapes.agreed and not deferred:  # decisions every rank takes alike: the worst
-            peak_f, static_f = self.agree.max(float(peak), float(static))  # rank's figures
-            peak, static = int(peak_f), int(static_f)
+            peak_f, load_f, static_f = self.agree.max(float(peak), float(load), float(static))  # rank's figures
+            peak, load, static = int(peak_f), int(load_f), int(static_f)
         if self._measure:
             self.last_peak_bytes = peak
         if deferred:
@@ -399,7 +404,7 @@ class ElasticEngine(EvalSteps):
             return
         self.clean_steps = 0
         target = min(n, micro * 2)
-        projected = static + (peak - static) * target / micro
+        projected = static + (load - static) * target / micro
         if self.limit_bytes is None or projected <= GROW_HEADROOM * self.limit_bytes:
             _info(f"autotune: growing the micro-batch {micro} -> {target} "
                   f"(projected peak {format_bytes(int(projected))})")

@@ -298,3 +298,54 @@ def test_a_bad_micro_batch_sample_size_is_refused_with_the_value() -> None:
         ElasticBatchSize(micro_batch_size=4, micro_batch_sample_size=-1)
     with pytest.raises(ValueError, match=r"with `micro_batch_size` set, or None; got 33"):
         ElasticBatchSize(micro_batch_sample_size=33)
+
+
+def test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache(monkeypatch) -> None:
+    """Played allocator figures (no GPU here): after a long batch the caching allocator keeps its reserve, so the
+    reserve's peak of every later short step is the long step's. The split of the next long batch must not shrink
+    because short steps seemed to cost that much (on an H200, the dynamic-padding benchmark's real-memory rule ran 4x
+    the fewest micro-batches that way)."""
+    from autotune._runtime.microbatch import ElasticEngine
+
+    mib, n, static, per_token = 2**20, 32, 100 * 2**20, 2**16  # 64 KiB a token: 32 samples x 64 tokens = 128 MiB
+    figures = {"allocated_bytes": {"all": {"current": static, "peak": static}},
+               "reserved_bytes": {"all": {"current": static, "peak": static}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: figures)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    engine = ElasticEngine(micro_batch_size=8, min_micro_batch_size=1, grow=True, grow_after=50, protect_update=True,
+                           budget_bytes=260 * mib, budget_text="260MiB", hard_budget=True, limit_bytes=260 * mib,
+                           device=torch.device("cuda", 0), world_size=1, log_fn=lambda *a, **k: None)
+
+    def step(length: int) -> int:
+        batch = {"input_ids": torch.zeros(n, length, dtype=torch.long)}
+        engine.start_batch(batch)
+        micro = engine.shapes.micro(n) if engine.shapes.varies else engine.micro_batch_size
+        allocated = static + micro * length * per_token
+        reserve = max(figures["reserved_bytes"]["all"]["current"], allocated + 8 * mib)  # the cache is kept
+        figures["allocated_bytes"]["all"]["peak"], figures["reserved_bytes"]["all"]["peak"] = allocated, reserve
+        figures["reserved_bytes"]["all"]["current"] = reserve
+        engine._after_success(n, micro, static, 0, clean=True)
+        return micro
+
+    # the whole long batch's tensors (128 MiB over the static part) fit 90% of the cap (134 MiB over it): the long
+    # batches grow to it by the model's doubling, and the short steps' cached reserve (172 MiB) takes nothing back
+    micros = [step(length) for length in [64, 8, 64, 8, 8, 8, 64, 8, 8, 64, 64]]
+    assert micros == [8, 16, 16, 32, 32, 32, 32, 32, 32, 32, 32]
+
+
+def test_on_cuda_a_fixed_shape_grows_from_the_tensors_peak_not_the_allocators_cache(monkeypatch) -> None:
+    """Played allocator figures: the reserve holds a cache near the cap (an evaluation's, an earlier larger step's),
+    the step's tensors take a quarter of the room: doubling the micro-batch is projected from the tensors."""
+    from autotune._runtime.microbatch import ElasticEngine
+
+    mib, static = 2**20, 100 * 2**20
+    figures = {"allocated_bytes": {"all": {"current": static, "peak": static + 30 * mib}},
+               "reserved_bytes": {"all": {"current": 250 * mib, "peak": 250 * mib}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: figures)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    engine = ElasticEngine(micro_batch_size=8, min_micro_batch_size=1, grow=True, grow_after=1, protect_update=True,
+                           budget_bytes=260 * mib, budget_text="260MiB", hard_budget=True, limit_bytes=260 * mib,
+                           device=torch.device("cuda", 0), world_size=1, log_fn=lambda *a, **k: None)
+    engine.start_batch({"x": torch.zeros(32, 4)})
+    engine._after_success(32, 8, static, 0, clean=True)
+    assert engine.micro_batch_size == 16 and engine.growing_from == 8  # 160 MiB projected, under 90% of 260 MiB
