@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -112,19 +113,34 @@ _KEEP = ("passed", "failed", "error", "median", "goal", "largest", "shape-aware"
          "samples/s", "Traceback", "timed out")
 
 
+#: Seconds a step has to stop after its Ctrl-C at its limit (taken from its limit) before it is killed.
+INTERRUPT_GRACE_S = 20.0
+
+
 def run_step(step: Step, out: Path) -> Step:
     """Run ``step`` from the repository root, its output to ``out/<name>.log``; fills in what happened."""
     log = out / (step.name.replace(" ", "-") + ".log")
     step.output = str(log.relative_to(out))
     start = time.perf_counter()
     with log.open("w") as sink:
+        # a session of its own: at the limit the step gets Ctrl-C (SIGINT to its group), so pytest (and xdist's
+        # workers) stop and still print the summary and write the junit XML of what ran; killed only if it lingers
+        proc = subprocess.Popen(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            done = subprocess.run(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                  timeout=step.timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            step.returncode = done.returncode
-            step.status = "ok" if done.returncode == 0 else "failed"
+            step.returncode = proc.wait(timeout=max(1.0, step.timeout_s - INTERRUPT_GRACE_S))
+            step.status = "ok" if step.returncode == 0 else "failed"
         except subprocess.TimeoutExpired:
             step.status = "timed out"
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        finally:
+            if proc.poll() is None:  # the check itself was stopped: no step outlives it
+                os.killpg(proc.pid, signal.SIGKILL)
     step.seconds = time.perf_counter() - start
     lines = log.read_text(errors="replace").splitlines()
     step.summary = [line for line in lines if any(k.lower() in line.lower() for k in _KEEP)][-8:] or lines[-3:]

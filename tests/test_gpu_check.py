@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,27 @@ def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_wher
     assert suite("cuda", True, True) == ["-q", "-m", "not gpu", "-n", "8"]
     assert suite("cuda", True, False) == suite("cuda", False, False) == ["-q", "-m", "not gpu"]
     assert suite("cpu", True, True) == ["-q", "-m", "not gpu", "tests/test_layout.py"]
+
+
+def test_a_step_cut_at_its_limit_keeps_pytests_summary_and_junit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+                                                                  ) -> None:
+    """A step over its limit gets Ctrl-C first: pytest stops and still names what failed before the cut (on an H200
+    the whole suite was cut with 5 failures whose names were lost)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    suite = tmp_path / "test_cut.py"
+    suite.write_text("import time\n\ndef test_fails():\n    assert 1 == 2\n\n"
+                     "def test_lingers():\n    time.sleep(120)\n")
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE_S", 15.0)
+    step = gpu_check.Step("cut", [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
+                                  f"--junitxml={tmp_path / 'cut.xml'}", str(suite)], 20.0)
+    start = time.monotonic()
+    gpu_check.run_step(step, tmp_path)
+    assert step.status == "timed out" and time.monotonic() - start < 30
+    log = (tmp_path / "cut.log").read_text()
+    assert "FAILED" in log and "test_cut.py::test_fails" in log and "KeyboardInterrupt" in log
+    assert 'name="test_fails"' in (tmp_path / "cut.xml").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run for real")
