@@ -17,7 +17,9 @@ context and what earlier trials of the plan's shape measured beyond their tensor
 The plans (CUDA, on ``benchmarks/gpu_targets.py:gpt_350m``, 310M parameters, context 1024): bf16-mixed at
 micro-batch 16 with full checkpointing (eager), then with optimizer offload, then also compiled with
 ``compile_memory_budget`` 0 (the realistic search's best plan), then eager with float8 (``--quick``: the first
-three). On CPU, on the example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
+three). On CUDA the first plan is then fitted once more in this process under the allocator's memory history, and
+what is alive at its peak is listed by the Python line that allocated it (``where`` in the JSON). On CPU, on the
+example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
 (``--quick``: the first only, a check of the plumbing).
 
 Usage::
@@ -94,6 +96,71 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
             "samples_per_second": result.samples_per_second, "note": note}
 
 
+def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, list[tuple[str, int]]]:
+    """The peak of bytes allocated in a CUDA allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
+    recorded from before the first allocation) and the tensors alive at it, grouped by the innermost Python frame
+    outside torch that allocated them (a checkpointed block's recompute shows its model's lines; autograd's own
+    allocations show the frame that called ``backward``), the ``top`` largest groups first."""
+    alive = peak = at = 0
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            alive += event["size"]
+            if alive > peak:
+                peak, at = alive, i
+        elif event["action"] == "free_completed":
+            alive -= event["size"]
+    live: dict[int, dict[str, Any]] = {}
+    for event in events[:at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    by_site: dict[str, int] = {}
+    for event in live.values():
+        site = _site(event.get("frames") or [])
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    return peak, sorted(by_site.items(), key=lambda item: -item[1])[:top]
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    for frame in frames:  # innermost first
+        path = Path(frame.get("filename", ""))
+        if "torch" not in path.parts:
+            return f"{'/'.join(path.parts[-2:])}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "(torch only)" if frames else "(no Python frame)"
+
+
+def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
+    """CUDA: the plan fitted in this process for 3 steps as a trial runs it (ElasticBatchSize at the plan's micro-batch,
+    ApplyPlan) under the allocator's memory history: the peak of bytes allocated and what is alive at it
+    (:func:`peak_sites`)."""
+    import lightning as L
+    import torch
+
+    import autotune
+    from autotune.callbacks import ApplyPlan, ElasticBatchSize
+
+    plan = autotune.Plan(**fields)
+    loaded = autotune.load_target(target)
+    micro = plan.micro_batch_size or loaded.batch_size()
+    kwargs = plan.trainer_kwargs()
+    kwargs.pop("devices", None)
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[
+                            ElasticBatchSize(micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
+                            ApplyPlan(**plan.apply_kwargs())], **kwargs)
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    try:
+        trainer.fit(loaded.model, datamodule=loaded.datamodule)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sites = peak_sites(snapshot["device_traces"][torch.cuda.current_device()], top=top)
+    return {"fields": fields, "peak_allocated_bytes": peak, "max_memory_allocated": torch.cuda.max_memory_allocated(),
+            "sites": sites}
+
+
 def error(row: dict[str, Any]) -> str:
     """The estimated tensors against the trial's tensors' peak (CUDA), or "-"."""
     allocated, predicted = row["allocated_peak_bytes"], row["predicted_bytes"]
@@ -140,6 +207,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(target, label, fields, args.device, 3 if args.quick else 6))
         write_json(args.json, {"machine": m, "target": target, "rows": rows})  # kept if a later plan hangs
     print(table(rows))
+    where = None
+    if args.device == "cuda" and rows:  # the first plan's peak, taken apart (a trial keeps no allocator trace)
+        label, fields = plans(args.device, args.quick)[0]
+        try:
+            where = where_the_peak_goes(target, fields)
+        except Exception as err:  # noqa: BLE001 - a diagnostic: the table above stands without it
+            print(f"\nwhere the peak goes ({label}): failed: {type(err).__name__}: {err}")
+        else:
+            print(f"\nwhere the peak goes ({label}, fitted in this process, 3 steps): tensors alive at the peak of "
+                  f"bytes allocated, {where['peak_allocated_bytes'] / 2**30:.2f} GiB (max_memory_allocated "
+                  f"{where['max_memory_allocated'] / 2**30:.2f} GiB), by the innermost Python frame outside torch:")
+            for site, size in where["sites"]:
+                print(f"  {size / 2**30:7.3f} GiB  {site}")
+        write_json(args.json, {"machine": m, "target": target, "rows": rows, "where": where})
     for r in rows:
         if r["note"]:
             print(f"- {r['plan']}: {r['note']}")

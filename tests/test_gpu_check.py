@@ -153,3 +153,31 @@ def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_th
     assert shape["ooms"] >= 1 and shape["every_sample_once"] and shape["global_step"] == 20
     assert shape["micro_batches"] >= shape["fewest"] > 20  # the long batches need several micro-batches
     assert shape["max_weight_diff"] < 1e-9 and cap["fraction"] == 1.0
+
+
+def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """trial_vs_estimate's allocator-trace reading (CUDA only, so played here): the peak of bytes allocated, and the
+    tensors alive at that moment (not later, not freed ones) by the innermost frame outside torch."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from trial_vs_estimate import peak_sites
+
+    def frames(*where: tuple[str, int, str]) -> list[dict]:
+        return [{"filename": f, "line": n, "name": name} for f, n, name in where]
+
+    block = frames(("/site-packages/torch/nn/modules/linear.py", 125, "forward"), ("/x/gpt/model.py", 46, "forward"))
+    head = frames(("/x/gpt/model.py", 140, "forward"))
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": block},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": head},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": block},  # not freed until completed
+        {"action": "alloc", "addr": 3, "size": 30, "frames": block},  # the peak: 180 alive
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": block},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": frames(("/torch/autograd/graph.py", 8, "run"))},  # 200
+        {"action": "free_completed", "addr": 4, "size": 120, "frames": []},
+        {"action": "alloc", "addr": 5, "size": 10, "frames": []},
+    ]
+    assert peak_sites(events) == (200, [("(torch only)", 120), ("gpt/model.py:140 forward", 50),
+                                        ("gpt/model.py:46 forward", 30)])
+    assert peak_sites(events[:5]) == (180, [("gpt/model.py:46 forward", 130), ("gpt/model.py:140 forward", 50)])
+    assert peak_sites(events, top=1)[1] == [("(torch only)", 120)]
