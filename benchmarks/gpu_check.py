@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_check: --device cuda but torch sees no CUDA device; use --device cpu --quick for the plumbing",
                   file=sys.stderr)
             return 2
+    elif args.device == "cpu":  # the plumbing: no step touches a GPU this machine may have (the gpu tests skip)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     args.out.mkdir(parents=True, exist_ok=True)
     info = {**machine(args.device), "driver": driver()}
     todo = [s for s in every if args.only is None or s.name in args.only]

@@ -339,7 +339,7 @@ def test_a_client_model_s_search_writes_a_tuned_file_that_lightning_cli_trains(
     config = tmp_path / f"{name}.yaml"
     config.write_text(_CONFIG.format(name=name))
     tuned = tmp_path / "tuned.yaml"
-    result = search(target=str(config), budget="3GiB", trials=3, steps=2, warmup=1, seed=0,
+    result = search(device="cpu", target=str(config), budget="3GiB", trials=3, steps=2, warmup=1, seed=0,
                     storage=f"sqlite:///{tmp_path}/s.db", out=tuned)
     plan = load_plan(tuned)
     assert plan == result.plan and plan.provenance.samples_per_second and plan.provenance.peak_bytes

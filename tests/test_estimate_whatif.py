@@ -276,7 +276,7 @@ def test_a_meta_model_estimates_without_weights_and_matches_the_real_one(capsys,
 def test_search_refuses_a_meta_model_for_plans_that_run_it_as_built(capsys, meta_target, tmp_path):
     out = tmp_path / "tuned.yaml"
     assert main(["search", meta_target, "--budget", "2GiB", "--space", "cpu", "--trials", "1", "--out", str(out),
-                 "--storage", f"sqlite:///{tmp_path / 'study.db'}"]) == 2
+                 "--device", "cpu", "--storage", f"sqlite:///{tmp_path / 'study.db'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"autotune: error: target '{meta_target}' builds its model on the meta device (no weights), "
                           "and plans with strategy 'auto' run it as built") and err.count("\n") == 1

@@ -40,7 +40,8 @@ def trials_of(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
 def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: Path) -> None:
     out = tmp_path / "tuned.yaml"
     storage = f"sqlite:///{tmp_path}/s.db"
-    result = search(target=f"{GPT}:make", budget="3GiB", trials=3, storage=storage, out=out, seed=0, **FAST)
+    result = search(target=f"{GPT}:make", budget="3GiB", trials=3, storage=storage, out=out, seed=0, device="cpu",
+                    **FAST)
     plan = load_plan(out)
     assert plan == result.plan
     assert plan.budget == "3GiB" and plan.micro_batch_size in (2, 4, 8, 16, 32)
@@ -74,7 +75,7 @@ def test_budget_binds_oom_is_infeasible_and_crash_is_failed(tmp_path: Path) -> N
     space = one_point_space(tmp_path, seeds=({"precision": "32-true", "micro_batch_size": 8},),
                             precision=["32-true", "bf16-mixed"], micro_batch_size=[8, 32, 64])
     result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=6, storage=storage,
-                    study="faulty", out=None, seed=1, **FAST)
+                    device="cpu", study="faulty", out=None, seed=1, **FAST)
     by_plan: dict[str, optuna.trial.FrozenTrial] = {}
     for t in result.study.get_trials():
         by_plan.setdefault(t.user_attrs["plan"], t)
@@ -113,12 +114,12 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
     # between runs of the same plan (the C allocator's retained heap; measured as resident set, two clean-clone CI
     # runs saw 832 and 846 MiB where 464 is usual), so the plans differ by far more than that: 16 MiB of activations
     # per sample and block, micro-batch 2 against 16 (of batches of 16: a step's time is its samples' page faults).
-    small, large = (measure_plan(target=f"{FIXTURE}:make_huge_half", plan=Plan(micro_batch_size=m), device="cpu", **FAST)
-                    for m in (2, 16))
+    small, large = (measure_plan(target=f"{FIXTURE}:make_huge_half", plan=Plan(micro_batch_size=m), device="cpu",
+                                 **FAST) for m in (2, 16))
     assert large.peak_bytes - small.peak_bytes > 800 * 2**20
     budget = (small.peak_bytes + large.peak_bytes) // 2
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 2}, {"micro_batch_size": 16}), micro_batch_size=[2, 16])
-    result = search(target=f"{FIXTURE}:make_huge_half", budget=budget, space=space, trials=2,
+    result = search(device="cpu", target=f"{FIXTURE}:make_huge_half", budget=budget, space=space, trials=2,
                     storage=f"sqlite:///{tmp_path}/s.db", out=None, seed=0, **FAST)
     trials = {t.params["micro_batch_size"]: t for t in result.study.get_trials()}
     assert trials[16].user_attrs["peak_bytes"] > budget  # measured, the whole process's peak (net of file pages)
@@ -130,7 +131,7 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
 def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tmp_path: Path) -> None:
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": "auto"}),
                             micro_batch_size=["auto", 32])
-    result = search(target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
+    result = search(device="cpu", target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
                     storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
     whole, auto = result.study.get_trials()[:2]
     assert whole.state == TrialState.COMPLETE and whole.user_attrs["source"] == "estimate"  # never ran
@@ -148,7 +149,7 @@ def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
     seeds = ({"micro_batch_size": 32}, {"micro_batch_size": 16}, {"micro_batch_size": 8})
     space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[32, 16, 8])
     result = search(target=f"{FIXTURE}:make_fixed_cost", budget="2GiB", space=space, trials=3, steps=10, warmup=1,
-                    storage=f"sqlite:///{tmp_path}/s.db", out=None)
+                    device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=None)
     fast, second, slow = result.study.get_trials()[:3]
     assert fast.params["micro_batch_size"] == 32 and fast.state == TrialState.COMPLETE
     # Timed until its interval was within 3% (a steady 0.1 s per call: the first 5 steps) or the cap.
@@ -167,13 +168,13 @@ def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest
     space = one_point_space(tmp_path, micro_batch_size=[32, 64])
     code = main(["search", f"{FIXTURE}:make_faulty", "--budget", "2GiB", "--space", space, "--trials", "2",
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "t.yaml"), "--steps", "2",
-                 "--warmup", "1", "--no-progress"])
+                 "--device", "cpu", "--warmup", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1
     assert "autotune: no plan fits in 2GiB (2.00 GiB); no trial measured a peak" in err
     assert not (tmp_path / "t.yaml").exists()
     with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 2GiB"):
-        search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=2,
+        search(device="cpu", target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=2,
                storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
 
 
@@ -181,7 +182,7 @@ def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.Ca
     space = one_point_space(tmp_path, micro_batch_size=[8, 16])
     code = main(["search", f"{FIXTURE}:make_broken", "--budget", "2GiB", "--space", space, "--trials", "20",
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--steps", "1", "--warmup", "1", "--no-progress",
-                 "--out", str(tmp_path / "t.yaml")])
+                 "--device", "cpu", "--out", str(tmp_path / "t.yaml")])
     assert code == 1
     err = capsys.readouterr().err
     assert "no trial measured a peak: 5 failed, the last with RuntimeError: an unrelated bug in this plan" in err
@@ -230,7 +231,7 @@ def test_sigkill_then_resume_retries_the_interrupted_trial_once(tmp_path: Path) 
     space = one_point_space(tmp_path, micro_batch_size=[8, 16, 32])
     cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_slow_start", "--budget", "2GiB", "--space",
            space, "--trials", "3", "--storage", storage, "--study", "killed", "--out", str(tmp_path / "t.yaml"),
-           "--steps", "2", "--warmup", "1", "--no-progress", "--seed", "0"]
+           "--device", "cpu", "--steps", "2", "--warmup", "1", "--no-progress", "--seed", "0"]
     env = {**os.environ, "AUTOTUNE_TEST_MARK": str(mark)}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
@@ -267,7 +268,7 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
                             activation_checkpointing=[0.0, 1.0])
     cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
            "--trials", "4", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
-           "--no-progress"]
+           "--device", "cpu", "--no-progress"]
     # two workers on one machine: each trial one thread, as docs/search.md says (two trials of 2 threads each on 2
     # cores spin against each other: 10x slower)
     workers = [subprocess.Popen([*cmd, "--out", str(tmp_path / f"t{i}.yaml"), "--seed", str(i)],
@@ -302,7 +303,7 @@ def test_postgresql_storage(tmp_path: Path) -> None:
     name = f"pg-{os.getpid()}-{time.time_ns()}"
     space = one_point_space(tmp_path, micro_batch_size=[8, 16])
     result = search(target=f"{FIXTURE}:make", budget="2GiB", space=space, trials=2, storage=url, study=name,
-                    out=tmp_path / "t.yaml", **FAST)
+                    device="cpu", out=tmp_path / "t.yaml", **FAST)
     again = optuna.load_study(study_name=name, storage=url)
     assert len(again.get_trials()) == len(result.study.get_trials()) >= 2
     assert load_plan(tmp_path / "t.yaml").micro_batch_size in (8, 16)
@@ -371,7 +372,7 @@ def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
     try:
         # every plan is over a tiny budget; the level comes back anyway
         with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 100MiB"):
-            search(target=f"{FIXTURE}:make", budget="100MiB", space="cpu", trials=1,
+            search(device="cpu", target=f"{FIXTURE}:make", budget="100MiB", space="cpu", trials=1,
                    storage=f"sqlite:///{tmp_path}/s.db", out=None, seed=0, **FAST)
         assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
     finally:
@@ -388,7 +389,7 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
     space = one_point_space(tmp_path, micro_batch_size=[8, 32])
     command = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_fixed_cost", "--budget", "2GiB",
                "--space", space, "--trials", "2", "--warmup", "1", "--storage", storage, "--study", "s",
-               "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
+               "--device", "cpu", "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
     # A slow trial, so that Ctrl-C reaches it while it runs: 40 steps of 0.1 s per micro-batch, timed to the cap (its
     # steady steps would reach +-3% in 5 and the search could end first). SIGINT at its default, as a terminal's
     # foreground process has it: a pytest started in the background by a shell without job control ignores it, and an
@@ -441,7 +442,7 @@ def test_trials_run_with_the_users_trainer_settings_and_the_tuned_file_records_t
     expected = {"gradient_clip_val": 0.5, "deterministic": True, "detect_anomaly": False}
     # the trial's own settings (max_steps, logger) are not taken; callbacks are built apart
     assert user_trainer_settings({"max_steps": 1000, "logger": False, "callbacks": [{}], **expected}) == expected
-    result = search(target=f"{FIXTURE}:make", config=str(config), budget="2GiB", trials=1, seed=0,
+    result = search(device="cpu", target=f"{FIXTURE}:make", config=str(config), budget="2GiB", trials=1, seed=0,
                     space=one_point_space(tmp_path, micro_batch_size=[32]), storage=f"sqlite:///{tmp_path}/s.db",
                     out=tmp_path / "t.yaml", **FAST)
     [trial] = [t for t in result.study.get_trials() if t.state == TrialState.COMPLETE]

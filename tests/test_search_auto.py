@@ -20,7 +20,7 @@ def test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again(t
     storage = f"sqlite:///{tmp_path}/s.db"
     space = one_point_space(tmp_path, precision=["32-true"], micro_batch_size=["auto"])
     result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=3, storage=storage,
-                    study="auto-oom", out=None, seed=0, **FAST)
+                    device="cpu", study="auto-oom", out=None, seed=0, **FAST)
     tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["status"], t.user_attrs.get("auto_again_of"))
              for t in result.study.get_trials()]
     assert tried == [(64, "oom", None), (32, "oom", 0), (16, "ok", 1)]
@@ -30,10 +30,10 @@ def test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again(t
     # nothing of the first's halving: the queued retry carries it (32), so 64 is not run or looked up again.
     storage = f"sqlite:///{tmp_path}/resumed.db"
     with pytest.raises(NoFeasiblePlanError, match="no plan fits in 2GiB"):
-        search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=1, storage=storage,
+        search(device="cpu", target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=1, storage=storage,
                study="auto-oom", out=None, seed=0, **FAST)
     result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=3, storage=storage,
-                    study="auto-oom", out=None, seed=0, **FAST)
+                    device="cpu", study="auto-oom", out=None, seed=0, **FAST)
     tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["source"]) for t in result.study.get_trials()]
     assert tried == [(64, "measured"), (32, "measured"), (16, "measured")]
     assert result.plan.micro_batch_size == 16
@@ -74,14 +74,14 @@ def test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_and_
     storage = f"sqlite:///{tmp_path}/s.db"
     space = one_point_space(tmp_path, precision=["32-true"], micro_batch_size=["auto"])
     with pytest.raises(NoFeasiblePlanError, match="no plan fits in 2GiB"):
-        search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=1, storage=storage,
+        search(device="cpu", target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=1, storage=storage,
                study="lost-retry", out=None, seed=0, **FAST)
     study = optuna.load_study(study_name="lost-retry", storage=storage)
     [queued] = study.get_trials(states=(TrialState.WAITING,))
     assert queued.user_attrs["auto_ceiling"] == 32
     study.tell(study.ask(), state=TrialState.FAIL)  # the retry is lost
     result = search(target=f"{FIXTURE}:make_faulty", budget="2GiB", space=space, trials=3, storage=storage,
-                    study="lost-retry", out=None, seed=0, **FAST)
+                    device="cpu", study="lost-retry", out=None, seed=0, **FAST)
     tried = [(t.user_attrs["micro_batch_size"], t.user_attrs["source"], t.user_attrs["status"])
              for t in result.study.get_trials(states=(TrialState.COMPLETE,))]
     assert tried == [(64, "measured", "oom"), (64, "cache", "oom"), (32, "measured", "oom"), (16, "measured", "ok")]
