@@ -166,7 +166,8 @@ MUTATIONS = (
               "test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_its_trials",)),
     Mutation("cuda-split-learns-tensors", "on CUDA the shape model and growth learn from the tensors' peak, not the "
              "allocator's cached reserve", "autotune/_runtime/microbatch.py",
-             "        peak, load = self.meter.peaks() if self._measure else (0, 0)\n",
+             "        peak, load = self.meter.peaks() if self._measure else (0, 0)  # the budget's measure, the "
+             "tensors' (CUDA)\n",
              "        peak, load = self.meter.peaks() if self._measure else (0, 0)\n        load = peak\n",
              ("tests/callbacks/test_elastic_shapes.py::"
               "test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache",

@@ -45,9 +45,8 @@ from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
 
-#: Grow only when the step's peak, scaled to the larger micro-batch, stays under this share of the limit; the shape
-#: model's byte cap is the same share. On CUDA the peak is the tensors' (bytes allocated): the rest of the limit is
-#: left to the allocator's rounding and fragmentation, and an OOM where that was not enough is replayed.
+#: Grow only when the step's peak (CUDA: its tensors') scaled to the larger micro-batch stays under this share of the
+#: limit; the shape model's byte cap too. The rest is the allocator's fragmentation (an OOM there is replayed).
 GROW_HEADROOM = 0.9
 
 
@@ -371,10 +370,7 @@ class ElasticEngine(EvalSteps):
         return max(self.min_micro_batch_size, min(micro - 1, smaller))
 
     def _after_success(self, n: int, micro: int, static: int, global_step: int, *, clean: bool) -> None:
-        # peak: what the budget counts (CUDA: the allocator's reserve); load: what this step's tensors took (CUDA: bytes
-        # allocated), which the shape model and growth learn from. The reserve keeps the cache of earlier, larger
-        # steps (its peak restarts from it), and the allocator frees that cache before it raises an OOM.
-        peak, load = self.meter.peaks() if self._measure else (0, 0)
+        peak, load = self.meter.peaks() if self._measure else (0, 0)  # the budget's measure, the tensors' (CUDA)
         if self.growing_from is not None:
             self._record("grow", global_step, self.growing_from, micro, peak=peak)
             self.growing_from = None
