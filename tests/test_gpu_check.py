@@ -58,9 +58,10 @@ def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_wher
         command = next(s.command for s in steps(device, quick, ROOT) if s.name == "whole suite with CUDA visible")
         return command[command.index("-q"):]
 
-    assert suite("cuda", True, True) == ["-q", "-m", "not gpu", "-n", "8"]
-    assert suite("cuda", True, False) == suite("cuda", False, False) == ["-q", "-m", "not gpu"]
-    assert suite("cpu", True, True) == ["-q", "-m", "not gpu", "tests/test_layout.py"]
+    assert suite("cuda", False, True) == ["-q", "-m", "not gpu", "-n", "8"]
+    assert suite("cuda", True, True) == ["-q", "-m", "not gpu and not slow", "-n", "8"]  # quick: no slow tests
+    assert suite("cuda", False, False) == ["-q", "-m", "not gpu"]
+    assert suite("cpu", True, True) == ["-q", "-m", "not gpu and not slow", "tests/test_layout.py"]
 
 
 def test_a_step_cut_at_its_limit_keeps_pytests_summary_and_junit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
