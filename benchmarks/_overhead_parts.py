@@ -210,6 +210,14 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"- update snapshot ({model}, {snap['params']:,} parameters): {snap['first_mib']:.1f} MiB "
                      f"copied to the host before the first update (it creates AdamW's state), "
                      f"{snap['steady_max_bytes']} bytes on every later step")
+    if "profile" in a:
+        lines += ["", "Profiled (one run each, the whole fit counted per step; the profiler slows both): the names "
+                  "whose self CPU time grew most per step with the callback (no split):", ""]
+        lines += [f"- {r['name']}: {r['elastic_ms'] - r['plain_ms']:+.3f} ms ({r['plain_calls']:g} -> "
+                  f"{r['elastic_calls']:g} calls)" for r in a["profile"]["grew"]]
+        for cfg, found in a["profile"]["syncs"].items():
+            waits = ", ".join(f"{n} {c:g}" for n, c in sorted(found.items())) or "none"
+            lines.append(f"- calls that wait for the device, per step, {cfg}: {waits}")
     if "ddp_attribution" in results:
         d = dict(results["ddp_attribution"])
         step = d.pop("step")["ms_per_step"]

@@ -183,3 +183,18 @@ def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it
                                         ("gpt/model.py:46 forward", 30)])
     assert peak_sites(events[:5]) == (180, [("gpt/model.py:46 forward", 130), ("gpt/model.py:140 forward", 50)])
     assert peak_sites(events, top=1)[1] == [("(torch only)", 120)]
+
+
+def test_the_overhead_benchmark_profiles_both_runs_and_names_what_waits_for_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """elastic_overhead's profile of the no-split step (the CPU here: its plumbing): both runs profiled, the names
+    that grew with the callback, and each run's calls that wait for the device."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _overhead_parts import NO_SPLIT, PLAIN, Sizing
+    from elastic_overhead import profile_diff
+
+    found = profile_diff(Sizing(steps=4, warmup=1, repeats=1, ddp_steps=2, ddp_warmup=1, ddp_repeats=1), "cpu", top=5)
+    assert set(found["syncs"]) == {PLAIN.name, NO_SPLIT[1].name} and len(found["grew"]) == 5
+    assert all(row["elastic_calls"] > 0 for row in found["grew"])  # each a name the callback's run has
+    grew = [row["elastic_ms"] - row["plain_ms"] for row in found["grew"]]
+    assert grew == sorted(grew, reverse=True)
