@@ -262,8 +262,9 @@ def attribute(sizing: Sizing, accelerator: str) -> dict[str, Any]:
     return out
 
 
-#: Profiler event names that wait for the device (a host that waits cannot queue the next kernels meanwhile).
-SYNCS = ("Synchronize", "_local_scalar_dense", "cudaMemcpy", "aten::item")
+#: Profiler event names that wait for the device (a host that waits cannot queue the next kernels meanwhile): these
+#: parts of a name, or ``cudaMemcpy`` itself (its ``Async`` form need not wait).
+SYNCS = ("Synchronize", "_local_scalar_dense", "aten::item")
 
 
 def profile_diff(sizing: Sizing, accelerator: str, *, top: int = 10) -> dict[str, Any]:
@@ -283,7 +284,8 @@ def profile_diff(sizing: Sizing, accelerator: str, *, top: int = 10) -> dict[str
     plain, elastic = per_step[PLAIN.name], per_step[NO_SPLIT[1].name]
     rows = [(name, *plain.get(name, (0.0, 0.0)), *elastic[name]) for name in elastic]
     grew = sorted(rows, key=lambda r: r[4] - r[2], reverse=True)[:top]
-    syncs = {cfg: {n: c for n, (c, _) in table.items() if any(k in n for k in SYNCS)} for cfg, table in per_step.items()}
+    syncs = {cfg: {n: c for n, (c, _) in table.items() if n == "cudaMemcpy" or any(k in n for k in SYNCS)}
+             for cfg, table in per_step.items()}
     return {"grew": [{"name": n, "plain_calls": pc, "plain_ms": pm, "elastic_calls": ec, "elastic_ms": em}
                      for n, pc, pm, ec, em in grew], "syncs": syncs}
 

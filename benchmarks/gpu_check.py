@@ -105,8 +105,8 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
                                           *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
              1500),
         # --quick leaves out the slow tests too (99 multi-process and search runs: 12 of CI's 15 minutes)
-        Step("whole suite with CUDA visible", pytest("suite", "-q", "-m", "not gpu and not slow" if quick else "not gpu",
-                                                     *suite), 1500),
+        Step("whole suite with CUDA visible",
+             pytest("suite", "-q", "-m", "not gpu and not slow" if quick else "not gpu", *suite), 1500),
     ]
 
 
@@ -130,23 +130,34 @@ def run_step(step: Step, out: Path) -> Step:
         proc = subprocess.Popen(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            step.returncode = proc.wait(timeout=max(1.0, step.timeout_s - INTERRUPT_GRACE_S))
-            step.status = "ok" if step.returncode == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            step.status = "timed out"
-            os.killpg(proc.pid, signal.SIGINT)
             try:
-                proc.wait(timeout=INTERRUPT_GRACE_S)
+                step.returncode = proc.wait(timeout=max(1.0, step.timeout_s - INTERRUPT_GRACE_S))
+                step.status = "ok" if step.returncode == 0 else "failed"
             except subprocess.TimeoutExpired:
+                step.status = "timed out"
+                _interrupt(proc)
+            except KeyboardInterrupt:  # the check's own Ctrl-C: the step's too, so it still writes what it has
+                _interrupt(proc)
+                raise
+        finally:  # nothing of the step outlives it (a worker or rank that ignored Ctrl-C, a check stopped by SIGTERM)
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        finally:
-            if proc.poll() is None:  # the check itself was stopped: no step outlives it
-                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     step.seconds = time.perf_counter() - start
     lines = log.read_text(errors="replace").splitlines()
     step.summary = [line for line in lines if any(k.lower() in line.lower() for k in _KEEP)][-8:] or lines[-3:]
     return step
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the step's process group, and up to ``INTERRUPT_GRACE_S`` for it to stop."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=INTERRUPT_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
 
 
 def driver() -> str | None:
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=25.0,
                         help="start no step once this many minutes are spent; each step ends by then (default 25)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # `timeout`: stop the step as well
     every = steps(args.device, args.quick, args.out)
     unknown = [name for name in args.only or () if name not in {s.name for s in every}]
     if unknown:

@@ -96,30 +96,40 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
             "samples_per_second": result.samples_per_second, "note": note}
 
 
-def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, list[tuple[str, int]]]:
-    """The peak of bytes allocated in a CUDA allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
+def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, list[tuple[str, int]], int]:
+    """The peak of bytes requested in a CUDA allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
     recorded from before the first allocation) and the tensors alive at it, grouped by the innermost Python frame
-    outside torch that allocated them (a checkpointed block's recompute shows its model's lines; autograd's own
-    allocations show the frame that called ``backward``), the ``top`` largest groups first."""
+    outside torch that allocated them, the ``top`` largest groups first; and how many frees the trace has no
+    allocation for (allocated before it, or a ring buffer that wrapped: then the figures are partial).
+
+    A tensor counts from ``alloc`` to ``free_requested``, when the allocator's ``allocated_bytes`` drops too (its
+    block may be reused only later, after the streams that used it); the sizes are those requested, which the
+    allocator rounds to its blocks (512 B, and up to 1 MiB that a large block keeps unsplit), so the peak is a little
+    under ``max_memory_allocated``. A checkpointed block's recompute shows its model's lines; what autograd allocates
+    on its CUDA worker thread (gradients) has no Python frame."""
     alive = peak = at = 0
     for i, event in enumerate(events):
         if event["action"] == "alloc":
             alive += event["size"]
             if alive > peak:
                 peak, at = alive, i
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             alive -= event["size"]
     live: dict[int, dict[str, Any]] = {}
-    for event in events[:at + 1]:
+    at_peak: dict[int, dict[str, Any]] = {}
+    unmatched = 0
+    for i, event in enumerate(events):
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
-            live.pop(event["addr"], None)
+        elif event["action"] == "free_requested":
+            unmatched += live.pop(event["addr"], None) is None
+        if i == at:
+            at_peak = dict(live)
     by_site: dict[str, int] = {}
-    for event in live.values():
+    for event in at_peak.values():
         site = _site(event.get("frames") or [])
         by_site[site] = by_site.get(site, 0) + event["size"]
-    return peak, sorted(by_site.items(), key=lambda item: -item[1])[:top]
+    return peak, sorted(by_site.items(), key=lambda item: -item[1])[:top], unmatched
 
 
 def _site(frames: list[dict[str, Any]]) -> str:
@@ -132,33 +142,43 @@ def _site(frames: list[dict[str, Any]]) -> str:
 
 def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
     """CUDA: the plan fitted in this process for 3 steps as a trial runs it (ElasticBatchSize at the plan's micro-batch,
-    ApplyPlan) under the allocator's memory history: the peak of bytes allocated and what is alive at it
-    (:func:`peak_sites`)."""
+    ApplyPlan) under the allocator's memory history: the peak of bytes requested and what is alive at it
+    (:func:`peak_sites`), beside the largest step's ``max_memory_allocated`` (ElasticBatchSize resets it each step)."""
     import lightning as L
     import torch
 
     import autotune
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
+    class StepPeaks(L.Callback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.peaks.append(torch.cuda.max_memory_allocated())
+
     plan = autotune.Plan(**fields)
     loaded = autotune.load_target(target)
     micro = plan.micro_batch_size or loaded.batch_size()
     kwargs = plan.trainer_kwargs()
     kwargs.pop("devices", None)
+    steps = StepPeaks()
     trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[
                             ElasticBatchSize(micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
-                            ApplyPlan(**plan.apply_kwargs())], **kwargs)
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+                            ApplyPlan(**plan.apply_kwargs()), steps], **kwargs)
+    entries = 4_000_000
+    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
     try:
         trainer.fit(loaded.model, datamodule=loaded.datamodule)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    peak, sites = peak_sites(snapshot["device_traces"][torch.cuda.current_device()], top=top)
-    return {"fields": fields, "peak_allocated_bytes": peak, "max_memory_allocated": torch.cuda.max_memory_allocated(),
-            "sites": sites}
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    peak, sites, unmatched = peak_sites(events, top=top)
+    return {"fields": fields, "peak_requested_bytes": peak, "max_memory_allocated": max(steps.peaks, default=0),
+            "sites": sites, "frees_without_alloc": unmatched, "trace_full": len(events) >= entries}
 
 
 def error(row: dict[str, Any]) -> str:
@@ -215,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 - a diagnostic: the table above stands without it
             print(f"\nwhere the peak goes ({label}): failed: {type(err).__name__}: {err}")
         else:
+            partial = (" (partial: the trace has frees without their allocation)"
+                       if where["frees_without_alloc"] or where["trace_full"] else "")
             print(f"\nwhere the peak goes ({label}, fitted in this process, 3 steps): tensors alive at the peak of "
-                  f"bytes allocated, {where['peak_allocated_bytes'] / 2**30:.2f} GiB (max_memory_allocated "
-                  f"{where['max_memory_allocated'] / 2**30:.2f} GiB), by the innermost Python frame outside torch:")
+                  f"bytes requested, {where['peak_requested_bytes'] / 2**30:.2f} GiB (the largest step's "
+                  f"max_memory_allocated {where['max_memory_allocated'] / 2**30:.2f} GiB){partial}, by the innermost "
+                  f"Python frame outside torch:")
             for site, size in where["sites"]:
                 print(f"  {size / 2**30:7.3f} GiB  {site}")
         write_json(args.json, {"machine": m, "target": target, "rows": rows, "where": where})

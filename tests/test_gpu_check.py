@@ -26,7 +26,12 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Pa
                      "whole suite with CUDA visible"]
     assert all(s["status"] == "ok" for s in report["steps"]), [(s["name"], s["status"]) for s in report["steps"]]
     text = (tmp_path / "report.md").read_text()
-    assert ("driver: none (no NVIDIA driver)" in text) == (not torch.cuda.is_available())  # NVML's, not CUDA's
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check import driver
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ("driver: none (no NVIDIA driver)" in text) == (driver() is None)  # NVML's driver, whatever torch sees
     assert "| gpu tests | ok | 0 |" in text
     assert (tmp_path / "gpu-tests.xml").exists() and (tmp_path / "tuned.yaml").exists()
     [row] = json.loads((tmp_path / "trial_vs_estimate.json").read_text())["rows"]  # a trial and its estimate
@@ -83,6 +88,26 @@ def test_a_step_cut_at_its_limit_keeps_pytests_summary_and_junit(monkeypatch: py
     log = (tmp_path / "cut.log").read_text()
     assert "FAILED" in log and "test_cut.py::test_fails" in log and "KeyboardInterrupt" in log
     assert 'name="test_fails"' in (tmp_path / "cut.xml").read_text()
+
+
+def test_nothing_of_a_cut_step_outlives_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A child that ignores Ctrl-C (a worker, a rank) is killed with its step, though the step itself stopped."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE_S", 1.0)
+    step = gpu_check.Step("cut", ["sh", "-c", "(trap '' INT; exec sleep 123) & echo $!; sleep 300"], 3.0)
+    gpu_check.run_step(step, tmp_path)
+    child = int((tmp_path / "cut.log").read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone, or a zombie its new parent has not reaped yet
+        status = Path(f"/proc/{child}/status")
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's child {child} outlived it")
+    assert step.status == "timed out"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run for real")
@@ -159,7 +184,7 @@ def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_th
 
 def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """trial_vs_estimate's allocator-trace reading (CUDA only, so played here): the peak of bytes allocated, and the
+    """trial_vs_estimate's allocator-trace reading (CUDA only, so played here): the peak of bytes requested, and the
     tensors alive at that moment (not later, not freed ones) by the innermost frame outside torch."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from trial_vs_estimate import peak_sites
@@ -172,16 +197,18 @@ def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it
     events = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": block},
         {"action": "alloc", "addr": 2, "size": 50, "frames": head},
-        {"action": "free_requested", "addr": 1, "size": 100, "frames": block},  # not freed until completed
-        {"action": "alloc", "addr": 3, "size": 30, "frames": block},  # the peak: 180 alive
-        {"action": "free_completed", "addr": 1, "size": 100, "frames": block},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": block},  # 180 alive
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": block},  # allocated_bytes drops here
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": block},  # (the block reusable: no change)
         {"action": "alloc", "addr": 4, "size": 120, "frames": frames(("/torch/autograd/graph.py", 8, "run"))},  # 200
-        {"action": "free_completed", "addr": 4, "size": 120, "frames": []},
+        {"action": "free_requested", "addr": 4, "size": 120, "frames": []},
         {"action": "alloc", "addr": 5, "size": 10, "frames": []},
     ]
     assert peak_sites(events) == (200, [("(torch only)", 120), ("gpt/model.py:140 forward", 50),
-                                        ("gpt/model.py:46 forward", 30)])
-    assert peak_sites(events[:5]) == (180, [("gpt/model.py:46 forward", 130), ("gpt/model.py:140 forward", 50)])
+                                        ("gpt/model.py:46 forward", 30)], 0)
+    assert peak_sites(events[:4]) == (180, [("gpt/model.py:46 forward", 130), ("gpt/model.py:140 forward", 50)], 0)
+    # a free whose allocation the trace lacks (made before it, or a ring buffer that wrapped): counted, not fatal
+    assert peak_sites([*events, {"action": "free_requested", "addr": 99, "size": 5, "frames": []}])[2] == 1
     assert peak_sites(events, top=1)[1] == [("(torch only)", 120)]
 
 
