@@ -25,7 +25,8 @@ traceback: ``-rA`` output and a junit XML). Steps:
 7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
    ``--quick`` on a CPU: its options only).
 8. the whole suite with CUDA visible, less the gpu tests (step 1), last since it is the longest: in parallel on half
-   the cores (at most 8 workers) where pytest-xdist is installed (``--quick`` on a CPU: the layout tests only).
+   the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a CPU the
+   layout tests only).
 
 ``--only`` names steps to run (an unknown name is refused, with the steps' names).
 """
@@ -126,7 +127,7 @@ def run_step(step: Step, out: Path) -> Step:
     start = time.perf_counter()
     with log.open("w") as sink:
         # a session of its own: at the limit the step gets Ctrl-C (SIGINT to its group), so pytest (and xdist's
-        # workers) stop and still print the summary and write the junit XML of what ran; killed only if it lingers
+        # workers) stop and still print the summary and write the junit XML of what ran; then the group is killed
         proc = subprocess.Popen(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:

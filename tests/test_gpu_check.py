@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Path) -> None:
+def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -26,11 +27,9 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(tmp_path: Pa
                      "whole suite with CUDA visible"]
     assert all(s["status"] == "ok" for s in report["steps"]), [(s["name"], s["status"]) for s in report["steps"]]
     text = (tmp_path / "report.md").read_text()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from gpu_check import driver
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import driver
+
     assert ("driver: none (no NVIDIA driver)" in text) == (driver() is None)  # NVML's driver, whatever torch sees
     assert "| gpu tests | ok | 0 |" in text
     assert (tmp_path / "gpu-tests.xml").exists() and (tmp_path / "tuned.yaml").exists()

@@ -55,8 +55,7 @@ class MemoryMeter:
         """:meth:`peak` and :meth:`peak_allocated` from one read of the statistics (CUDA; both the host peak on CPU)."""
         if self.is_cuda:
             stats = torch.cuda.memory_stats_as_nested_dict(self.device)
-            return tuple(int(stats.get(name, {}).get("all", {}).get("peak", 0))  # type: ignore[return-value]
-                         for name in ("reserved_bytes", "allocated_bytes"))
+            return _figure(stats, "reserved_bytes", "peak"), _figure(stats, "allocated_bytes", "peak")
         peak = peak_host_bytes()
         return peak, peak
 
@@ -72,7 +71,12 @@ def cuda_stat(device: torch.device | int, name: str, field: str) -> int:
     ``torch.cuda.max_memory_reserved`` returns); 0 before CUDA is initialised. Read from the nested statistics:
     ``torch.cuda.memory_stats`` flattens and sorts all of them (about 130) in Python for every figure, about 50 us a
     call on a server CPU, which the meter would pay twice a step (benchmarks/elastic_overhead.py)."""
-    return int(torch.cuda.memory_stats_as_nested_dict(device).get(name, {}).get("all", {}).get(field, 0))
+    return _figure(torch.cuda.memory_stats_as_nested_dict(device), name, field)
+
+
+def _figure(stats: dict, name: str, field: str) -> int:
+    """One figure of the allocator's nested statistics, all pools (0 where absent)."""
+    return int(stats.get(name, {}).get("all", {}).get(field, 0))
 
 
 def _status(*keys: str) -> list[int] | None:
