@@ -3,11 +3,16 @@
 A batch is any nesting of mappings, sequences, namedtuples and dataclasses around tensors (or NumPy arrays). The
 batch size ``N`` is the length of the first dimension of the first tensor found depth-first. A micro-batch keeps
 the structure and cuts every tensor whose first dimension is ``N``; other tensors (a scalar, a shared mask) are
-passed unchanged. A list or tuple of ``N`` non-tensor leaves (strings, ids) is a per-sample list and is cut too.
+passed unchanged. A list or tuple of ``N`` items is a per-sample list and is cut too when its items are numbers or
+strings (ids, captions), or are all of one kind (``(h, w)`` sizes, one target dict per image, one tensor per image
+of the same number of dimensions and dtype) and neither all hold a tensor of ``N`` samples nor hold the tensor ``N``
+was read from; any other list or tuple is structure (``[x, y]``, ``(input_ids, position_ids)``) and each item is
+mapped.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,7 +43,7 @@ def _children(batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return batch.values()
     if _is_dataclass_instance(batch):
-        return (getattr(batch, f.name) for f in dataclasses.fields(batch))
+        return (getattr(batch, f.name) for f in dataclasses.fields(batch) if hasattr(batch, f.name))
     if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
         return batch
     return ()
@@ -91,12 +96,56 @@ def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     def cut(array: Any) -> Any:
         return array[start:stop] if array.ndim > 0 and array.shape[0] == size else array
 
-    def per_sample(items: list[Any] | tuple[Any, ...]) -> Any:  # a per-sample list such as ids or captions
-        if len(items) == size and items and all(isinstance(v, _LEAF_TYPES) for v in items):
-            return items[start:stop]
-        return None
+    first = _first_array(batch)
+
+    def per_sample(items: list[Any] | tuple[Any, ...]) -> Any:  # ids, captions, a target per image
+        return items[start:stop] if _is_per_sample(items, size, first) else None
 
     return _map_arrays(batch, cut, per_sample)
+
+
+def _first_array(batch: Any) -> Any:
+    """The first tensor or array in ``batch`` depth-first (the one :func:`batch_size_of` reads), or None."""
+    if isinstance(batch, _ARRAY_TYPES):
+        return batch if batch.ndim > 0 else None
+    for child in _children(batch):
+        found = _first_array(child)
+        if found is not None:
+            return found
+    return None
+
+
+def _holds(value: Any, test: Any) -> bool:
+    """Whether ``value`` is, or holds at any depth, a tensor or array for which ``test`` is true."""
+    if isinstance(value, _ARRAY_TYPES):
+        return bool(test(value))
+    return any(_holds(child, test) for child in _children(value))
+
+
+def _kind(value: Any) -> Any:
+    """What items of one per-sample list share: their type, and for arrays their number of dimensions and dtype,
+    for mappings their keys."""
+    if isinstance(value, _ARRAY_TYPES):
+        return type(value), value.ndim, value.dtype
+    if isinstance(value, Mapping):
+        return type(value), tuple(value)
+    return type(value)
+
+
+def _is_per_sample(items: list[Any] | tuple[Any, ...], size: int, first: Any) -> bool:
+    """Whether a list or tuple is one item per sample of a batch of ``size`` (see the module's docstring)."""
+    if len(items) != size or not items:
+        return False
+    if all(isinstance(v, _LEAF_TYPES) or _is_number(v) for v in items):
+        return True
+    kinds = {_kind(v) for v in items if v is not None}
+    if len(kinds) != 1 or _holds(items, lambda a: a is first):
+        return False
+    return not all(_holds(v, lambda a: a.ndim > 0 and a.shape[0] == size) for v in items)
+
+
+def _is_number(value: Any) -> bool:
+    return _ARRAY_TYPES[-1] is not Tensor and isinstance(value, np.generic)  # NumPy ids (``df.index.values``)
 
 
 def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
@@ -171,9 +220,12 @@ def _map_arrays(batch: Any, fn: Any, lists: Any = None) -> Any:
             return items
     if _is_namedtuple(batch):
         return type(batch)(*(_map_arrays(v, fn, lists) for v in batch))
-    if _is_dataclass_instance(batch):
-        return dataclasses.replace(batch, **{f.name: _map_arrays(getattr(batch, f.name), fn, lists)
-                                             for f in dataclasses.fields(batch) if f.init})
+    if _is_dataclass_instance(batch):  # a copy with every field mapped: ``init=False`` fields too, frozen or not
+        mapped = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            if hasattr(batch, f.name):
+                object.__setattr__(mapped, f.name, _map_arrays(getattr(batch, f.name), fn, lists))
+        return mapped
     if isinstance(batch, (list, tuple)):
         whole = lists(batch) if lists is not None else None
         return whole if whole is not None else type(batch)(_map_arrays(v, fn, lists) for v in batch)

@@ -85,7 +85,7 @@ def test_last_short_batch_oom_and_uneven_split() -> None:
     assert t.global_step == 4
 
 
-@pytest.mark.parametrize("kind", ["dict", "tensor"])
+@pytest.mark.parametrize("kind", ["dict", "tensor", "lists"])
 def test_batch_structures(kind: str) -> None:
     model, _, cb = elastic(Fault("forward", limit=16), kind=kind)
     assert micro_sizes(model)[:3] == [64, 32, 16]

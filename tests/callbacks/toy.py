@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -83,7 +84,25 @@ class SampleDataset(Dataset):
             return {"x": self.x[i], "y": self.y[i], "id": i, "name": f"s{i}"}
         if self.kind == "tensor":
             return torch.cat([self.x[i], self.y[i], torch.tensor([float(i)])])
+        if self.kind == "lists":  # one target tensor per sample, NumPy ids, (h, w) sizes: kept as lists by collate
+            return self.x[i], self.y[i], np.int64(i), (i, i + 1)
         return self.x[i], self.y[i], i
+
+
+@dataclass
+class ListsBatch:
+    """A detection-style batch: stacked inputs, then per-sample lists; ``ids`` is set after construction."""
+
+    x: torch.Tensor
+    targets: list[torch.Tensor]
+    sizes: list[tuple[int, int]]
+    ids: list[Any] = field(init=False)
+
+
+def collate_lists(items: list[Any]) -> ListsBatch:
+    batch = ListsBatch(torch.stack([x for x, *_ in items]), [y for _, y, *_ in items], [s for *_, s in items])
+    batch.ids = [i for _, _, i, _ in items]
+    return batch
 
 
 def unpack(batch: Any, kind: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -91,6 +110,12 @@ def unpack(batch: Any, kind: str) -> tuple[torch.Tensor, torch.Tensor, list[int]
         return batch["x"], batch["y"], batch["id"].tolist()
     if kind == "tensor":
         return batch[:, :IN], batch[:, IN : IN + OUT], batch[:, -1].long().tolist()
+    if kind == "lists":
+        if not len(batch.x) == len(batch.targets) == len(batch.ids) == len(batch.sizes):
+            raise AssertionError(f"a micro-batch of {len(batch.x)} inputs got {len(batch.targets)} targets")
+        if [h for h, _ in batch.sizes] != [int(i) for i in batch.ids]:
+            raise AssertionError("sizes and ids of different samples")
+        return batch.x, torch.stack(batch.targets), [int(i) for i in batch.ids]
     return batch[0], batch[1], batch[2].tolist()
 
 
@@ -179,6 +204,8 @@ class ToyModel(L.LightningModule):
 
 
 def loader(n: int, batch_size: int, kind: str = "tuple", **kwargs: Any) -> DataLoader:
+    if kind == "lists":
+        kwargs.setdefault("collate_fn", collate_lists)
     return DataLoader(SampleDataset(n, kind), batch_size=batch_size, shuffle=False, **kwargs)
 
 
