@@ -60,7 +60,7 @@ class EvalSteps:
                     ) from exc
                 smaller = micro // 2
             else:
-                self.logs.flush()
+                self.logs.flush(parts=len(sizes))
                 return combine_outputs(outputs, sizes)
             outputs = []
             release_memory((), self.device)

@@ -57,6 +57,24 @@ def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
     return combined
 
 
+def _weights(calls: list[dict[str, Any]]) -> tuple[list[float], Any]:
+    """How the micro-batches' calls of one key weigh in their committed mean, and that call's batch size (what an
+    epoch mean weighs the step by): the samples that logged, as if they had been one batch.
+
+    A ``batch_size`` equal to each call's micro-batch size (``len(x)``), or none (Lightning's inference), is that;
+    one that varies otherwise is the user's weight (a token count): it weighs and adds up; a constant one that is not
+    the micro-batch size (a fixed figure of the user's) is kept as the step's, each call weighted by its samples.
+    """
+    samples = [float(c["_n"]) for c in calls]
+    given = [samples[i] if c.get("batch_size") is None else float(c["batch_size"]) for i, c in enumerate(calls)]
+    if given == samples:
+        return samples, int(sum(samples))
+    if len(set(given)) > 1:
+        total = sum(given)
+        return given, int(total) if total.is_integer() else total
+    return samples, next(c["batch_size"] for c in calls if c.get("batch_size") is not None)
+
+
 class LogBuffer:
     """Wraps a ``log`` function; between :meth:`start` and :meth:`flush` calls are recorded, not made."""
 
@@ -67,7 +85,7 @@ class LogBuffer:
         self._names = [name for name, p in self._signature.parameters.items()
                        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.active = False
-        self.n = 1
+        self.n: int | None = 1
         self._records: dict[tuple[Any, str], list[dict[str, Any]]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -84,14 +102,16 @@ class LogBuffer:
 
     def start(self) -> None:
         self.active = True
+        self.n = None  # samples of the micro-batch running; None: a call stands for the whole step, made as it is
         self._records = {}
 
     def discard(self) -> None:
         self.active = False
         self._records = {}
 
-    def flush(self) -> None:
-        """Make the recorded calls, one per key and hook, each from the hook that made it."""
+    def flush(self, *, parts: int = 1) -> None:
+        """Make the recorded calls, one per key and hook, each from the hook that made it; ``parts``: how many
+        micro-batches the step ran (each committed call then carries the samples it stands for as its batch size)."""
         self.active = False
         records, self._records = self._records, {}
         if not records:
@@ -103,16 +123,11 @@ class LogBuffer:
                 if owner is not None:
                     set_current_hook_name(owner, fx)
                 arguments = {k: v for k, v in calls[-1].items() if k != "_n"}
-                if len(calls) > 1:
-                    given = [c.get("batch_size") for c in calls]
-                    varying = None not in given and len(set(given)) > 1
-                    # A batch_size that varies is the user's weight (e.g. tokens); a constant one, or none, is not:
-                    # each micro-batch's value then counts by its samples.
-                    weights = [float(b) for b in given] if varying else [float(c["_n"]) for c in calls]
-                    reduce_fx = arguments.get("reduce_fx", "mean")
-                    arguments["value"] = _combine([c["value"] for c in calls], weights, reduce_fx)
-                    if varying:
-                        arguments["batch_size"] = int(sum(weights))
+                if (len(calls) > 1 or parts > 1) and all(c["_n"] is not None for c in calls):
+                    weights, arguments["batch_size"] = _weights(calls)
+                    if len(calls) > 1:
+                        reduce_fx = arguments.get("reduce_fx", "mean")
+                        arguments["value"] = _combine([c["value"] for c in calls], weights, reduce_fx)
                 self.log_fn(**arguments)
         finally:
             if owner is not None:

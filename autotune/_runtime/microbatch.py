@@ -214,7 +214,7 @@ class ElasticEngine(EvalSteps):
             self.micro_batch_size = next_micro
             replayed = True
             static = self.meter.start() if self._measure else 0
-        self.logs.flush()
+        self.logs.flush(parts=len(self.sizes))
         if self.update_protected:
             self.snapshot.release()  # the protected update succeeded: steady-state steps hold no host copy
         self._after_success(n, micro, static, global_step, clean=not replayed)
@@ -326,7 +326,7 @@ class ElasticEngine(EvalSteps):
                 self._vote(params, failure, level)
                 self.agree.average_gradients(params, self._used)
             self._prepare_update(optimizer)
-            self.phase = "update"
+            self.phase, self.logs.n = "update", None  # the update's hooks log for the whole step, not a part
             _set_closure_loss(closure, total)
             return total
 

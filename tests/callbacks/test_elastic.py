@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -216,6 +217,30 @@ def test_logged_training_loss_is_the_whole_batch_mean() -> None:
     _, t_whole, _ = elastic(None, cb=ElasticBatchSize(grow=False))
     for key in ("train_loss_step", "train_loss_epoch"):
         torch.testing.assert_close(t_split.callback_metrics[key], t_whole.callback_metrics[key], rtol=1e-5, atol=0)
+
+
+class SizedLogs(ToyModel):
+    """Also logs with ``batch_size=len(x)`` (the idiom for dict batches), and a key that only some micro-batches log."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        x, _, ids = unpack(batch, self.kind)
+        self.log("sized", loss, on_step=False, on_epoch=True, batch_size=len(x))
+        if ids[0] % 48 == 0:  # 2, 1, 1 and 2 of the 4 micro-batches of 16 of each step
+            self.log("some", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_epoch_means_weigh_each_step_by_the_samples_that_logged() -> None:
+    ref = fit(SizedLogs(), loader(N * STEPS, 16), accumulate_grad_batches=N // 16, gradient_clip_val=0.5)
+    # Step 0 whole, steps 1-3 in micro-batches of 16 after an OOM: each step still weighs its 64 samples.
+    once = fit(SizedLogs(fault=Fault("forward", limit=16, steps=lambda s: s == 1)), loader(N * STEPS, N),
+               [ElasticBatchSize(grow=False)], gradient_clip_val=0.5)
+    torch.testing.assert_close(once.callback_metrics["sized"], ref.callback_metrics["sized"], rtol=1e-5, atol=0)
+    # Every step in micro-batches of 16: a step weighs the samples of the micro-batches that logged.
+    split = fit(SizedLogs(fault=Fault("forward", limit=16)), loader(N * STEPS, N), [ElasticBatchSize(grow=False)],
+                gradient_clip_val=0.5)
+    torch.testing.assert_close(split.callback_metrics["some"], ref.callback_metrics["some"], rtol=1e-5, atol=0)
 
 
 def test_grow_back_after_pressure_passes_and_backoff_after_failed_grow() -> None:
