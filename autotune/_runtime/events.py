@@ -37,6 +37,10 @@ _STEADY_OF_A_RANK = ("Out of memory inside the optimizer update of this rank in 
 _SHARDED_EVAL_OOM = ("Out of memory in {stage} under FSDP2 (ModelParallelStrategy): evaluation batches are not split "
                      "under FSDP2 (one rank splitting alone would meet its peers' all-gathers out of order); the run "
                      "stops on every rank. Lower the {stage} batch size.")
+_UNSEEN = ("Out of memory inside the update of {name}, an optimizer that is neither torch's nor torchao's (nor a "
+           "subclass of one): such updates may write parameters through .data or raw pointers, which torch does not "
+           "count as changes, so whether it changed anything before it failed cannot be told, and it is not "
+           "replayed. {why}")
 _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 

@@ -28,18 +28,13 @@ from autotune._runtime.batch import batch_size_of, scale_step_output, slice_batc
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
 from autotune._runtime.events import (
-    _DIFFERENT_SPLITS, _HALF_APPLIED, _STEADY_OF_A_RANK, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
+    _DIFFERENT_SPLITS, _HALF_APPLIED, _STEADY_OF_A_RANK, _UNSEEN, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
 )
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
 from autotune._device.meter import MemoryMeter
 from autotune._runtime.state import (
-    MetricStates,
-    RNGState,
-    UpdateSnapshot,
-    creates_state,
-    release_memory,
-    update_fingerprint,
+    MetricStates, RNGState, UpdateSnapshot, creates_state, release_memory, update_fingerprint,
 )
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
@@ -276,9 +271,10 @@ class ElasticEngine(EvalSteps):
         why = _WHY_STEADY if self.protect_update else _WHY_OFF
         if self.agree.enabled:
             raise OutOfMemoryAtMinimumError(_STEADY_OF_A_RANK.format(why=why)) from cause
-        if update_fingerprint(optimizer) == self._fingerprint:
-            return
-        raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(why=why)) from cause
+        if self._fingerprint is None:  # an update whose changes version counters may not see
+            raise OutOfMemoryAtMinimumError(_UNSEEN.format(name=type(optimizer).__name__, why=why)) from cause
+        if update_fingerprint(optimizer) != self._fingerprint:
+            raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(why=why)) from cause
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
         """The model's torchmetrics states now (the metrics are looked up once per fit)."""

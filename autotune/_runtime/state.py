@@ -198,11 +198,18 @@ def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(not state.get(p) for p in update_parameters(optimizer))
 
 
-def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
+def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any] | None:
     """What an update may change, cheaply: the version counter of every parameter and state tensor (bumped by every
     in-place change), the other state values, and the state's keys. Equal before and after a failed update means the
     update changed nothing and can simply run again. The cost is a few Python objects per parameter, whatever the
-    model's size."""
+    model's size.
+
+    None for an optimizer whose update the counters may not see: one that is neither torch's nor torchao's (nor a
+    subclass of one), as those that write ``p.data`` (Lion's reference code, transformers' Adafactor) or pass raw
+    pointers to their kernels (bitsandbytes, apex) do.
+    """
+    if not _counts_its_changes(optimizer):
+        return None
     def marks() -> Any:
         for group in optimizer.param_groups:
             yield from group["params"]
@@ -212,6 +219,23 @@ def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any]:
             yield from state.values()
 
     return tensor_versions(marks())
+
+
+#: Modules whose optimizers change tensors only in ways that bump their version counters (torchao's compiled update
+#: writes back with ``copy_``), and autotune's own (the offloaded optimizer).
+_COUNTED = ("torch.optim.", "torchao.optim.", "autotune.")
+
+
+def _counts_its_changes(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a class in the optimizer's MRO that defines its own ``step`` is torch's, torchao's or autotune's: a
+    subclass of ``AdamW`` that wraps ``step`` and calls ``super().step`` counts; an optimizer written on
+    ``torch.optim.Optimizer`` does not."""
+    base_step = torch.optim.Optimizer.step
+    for cls in type(optimizer).__mro__:
+        step = vars(cls).get("step")
+        if step is not None and step is not base_step and cls.__module__.startswith(_COUNTED):
+            return True
+    return False
 
 
 def _copy_state(value: Any) -> Any:

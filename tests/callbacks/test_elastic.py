@@ -188,6 +188,40 @@ def test_a_half_applied_steady_state_update_ends_fit_with_a_clear_error() -> Non
         elastic(Fault("step", limit=16, steps=lambda s: s == 2), cb=ElasticBatchSize(grow=False, micro_batch_size=32))
 
 
+class DataSGD(torch.optim.Optimizer):
+    """An optimizer of its own that writes ``p.data`` (as Lion's reference code does), which bumps no version counter;
+    in step 2, a steady-state update, it runs out of memory after its weight decay changed the first parameter."""
+
+    def __init__(self, params: Any, module: ToyModel) -> None:
+        super().__init__(params, {"lr": 0.05})
+        self.module = module
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        with torch.enable_grad():
+            loss = closure()
+        for i, p in enumerate(self.param_groups[0]["params"]):
+            p.data.mul_(0.99)
+            if i == 0 and self.module.trainer.global_step == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))  # state: step 2 is steady
+            momentum.data.mul_(0.9).add_(p.grad)
+            p.data.add_(momentum, alpha=-0.05)
+        return loss
+
+
+def test_an_update_oom_of_an_optimizer_whose_changes_cannot_be_seen_is_not_replayed() -> None:
+    class Model(ToyModel):
+        def configure_optimizers(self) -> Any:
+            return DataSGD(self.parameters(), self)
+
+    model = Model()
+    with pytest.raises(OutOfMemoryAtMinimumError, match=r"inside the update of DataSGD, an optimizer that is neither "
+                       r"torch's nor torchao's.*through \.data or raw pointers.*not replayed"):
+        fit(model, loader(N * STEPS, N), [ElasticBatchSize(grow=False)])
+    assert model.trainer.global_step == 2  # steps 0 and 1 ran
+
+
 def test_minimum_reached_ends_fit_with_a_clear_chained_error() -> None:
     cb = ElasticBatchSize(grow=False, min_micro_batch_size=8)
     with pytest.raises(OutOfMemoryAtMinimumError, match=r"batch size 64, micro-batch 8 \(min_micro_batch_size=8\), "
