@@ -57,6 +57,15 @@ def post_accumulate_grad_hooks(param: Any) -> dict[int, Any]:
     return getattr(param, "_post_accumulate_grad_hooks", None) or {}
 
 
+def is_norm_with_running_stats(module: Any) -> bool:
+    """Whether ``module`` is a BatchNorm or InstanceNorm layer of any dimension that keeps running statistics
+    (``torch.nn.modules.batchnorm._NormBase``, their private base). If it went away, ``ElasticBatchSize`` would raise
+    at its first step. Listing the public classes is not done: it would miss subclasses of the private base."""
+    import torch
+
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase) and bool(module.track_running_stats)
+
+
 def is_batch_norm(module: Any) -> bool:
     """Whether ``module`` is a batch norm layer of any dimension (``torch.nn.modules.batchnorm._BatchNorm``, the base
     of ``BatchNorm1d/2d/3d``, their lazy forms and user subclasses). If it went away, ``ElasticBatchSize`` would

@@ -115,7 +115,7 @@ class ElasticEngine(EvalSteps):
         self._unsettled: tuple[int, float, int, int] | None = None
         self._measure = True  # whether this step reads the peak (see start_batch)
         self._warned_floor = False
-        self._metrics: list[torch.nn.Module] | None = None
+        self._metrics: tuple[list[torch.nn.Module], Any] | None = None
 
     # ----------------------------------------------------------------------------------------------- training
     def start_batch(self, batch: Any, *, logged: bool = True) -> None:
@@ -277,7 +277,7 @@ class ElasticEngine(EvalSteps):
             raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(why=why)) from cause
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
-        """The model's torchmetrics states now (the metrics are looked up once per fit)."""
+        """The model's torchmetrics states and norm layers' running statistics now (looked up once per fit)."""
         if self._metrics is None:
             self._metrics = MetricStates.find(module)
         return MetricStates(self._metrics)

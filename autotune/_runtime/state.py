@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import metric_state_names, tensor_versions
+from autotune._compat import is_norm_with_running_stats, metric_state_names, tensor_versions
 
 try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
     import numpy.random as _np_random
@@ -39,26 +39,64 @@ class RNGState:
 
 
 class MetricStates:
-    """The state of the torchmetrics ``Metric`` modules of a model, so a replay does not count a failed attempt's
-    updates. Metrics are found among the model's submodules (attributes, ``MetricCollection``)."""
+    """The state of the torchmetrics ``Metric`` modules of a model and the running statistics of its norm layers, so a
+    replay does not count a failed attempt's updates. Metrics are found among the model's submodules (attributes,
+    ``MetricCollection``)."""
 
-    def __init__(self, metrics: list[torch.nn.Module]) -> None:
+    def __init__(self, found: tuple[list[torch.nn.Module], RunningStats]) -> None:
+        metrics, self.running = found
         self.saved = [(m, {name: _copy_state(getattr(m, name)) for name in metric_state_names(m)
                            if hasattr(m, name)}) for m in metrics]
+        self.running.capture()
 
     @staticmethod
-    def find(module: torch.nn.Module) -> list[torch.nn.Module]:
-        """The torchmetrics metrics among ``module``'s submodules (none when torchmetrics is not installed)."""
+    def find(module: torch.nn.Module) -> tuple[list[torch.nn.Module], RunningStats]:
+        """The torchmetrics metrics among ``module``'s submodules (none when torchmetrics is not installed), and its
+        norm layers' running statistics."""
         try:
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover - Lightning installs torchmetrics
-            return []
-        return [m for m in module.modules() if isinstance(m, Metric)]
+            return [], RunningStats(module)
+        return [m for m in module.modules() if isinstance(m, Metric)], RunningStats(module)
 
     def restore(self) -> None:
         for metric, state in self.saved:
             for name, value in state.items():
                 setattr(metric, name, _copy_state(value))  # a copy: a second replay restores from here again
+        self.running.restore()
+
+
+class RunningStats:
+    """The running statistics a training forward updates in place: ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` of BatchNorm and InstanceNorm layers (``track_running_stats``), copied on their device
+    at each step's start (one ``foreach`` copy into buffers made once) and put back after a failed attempt, so a
+    replay counts each sample once in them too. Nothing is copied for a model without such layers or in eval mode."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.layers = [m for m in module.modules() if is_norm_with_running_stats(m)]
+        self.stats: list[Tensor] = []
+        self.copies: list[Tensor] = []
+        self.captured = False
+        self.pending = True
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        from torch.nn.parameter import is_lazy
+
+        self.captured = any(m.training for m in self.layers)
+        if not self.captured:
+            return
+        if self.pending:  # the first step, and until lazy layers have run
+            buffers = [b for m in self.layers for b in m.buffers(recurse=False)]
+            self.stats = [b for b in buffers if not is_lazy(b)]
+            self.copies = [torch.empty_like(b) for b in self.stats]
+            self.pending = len(self.stats) < len(buffers)
+        torch._foreach_copy_(self.copies, self.stats)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self.captured and self.stats:
+            torch._foreach_copy_(self.stats, self.copies)
 
 
 class UpdateSnapshot:

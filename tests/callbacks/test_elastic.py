@@ -336,6 +336,18 @@ def test_batchnorm_warns() -> None:
         fit(ToyModel(batchnorm=True), loader(N, N), [ElasticBatchSize()])
 
 
+@pytest.mark.parametrize("where", ["mid_backward", "backward"])
+def test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics(where: str) -> None:
+    model = ToyModel(batchnorm=True, fault=Fault(where, limit=16))  # 64 and 32 fail at step 0 after their forward
+    fit(model, loader(N * STEPS, N), [ElasticBatchSize(grow=False)], gradient_clip_val=0.5)
+    ref, _ = native(micro=16, batchnorm=True)
+    assert max_weight_diff(model, ref) == 0.0
+    norm, ref_norm = model.net[1], ref.net[1]
+    assert int(norm.num_batches_tracked) == int(ref_norm.num_batches_tracked) == STEPS * N // 16
+    torch.testing.assert_close(norm.running_mean, ref_norm.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(norm.running_var, ref_norm.running_var, rtol=0, atol=0)
+
+
 class HungryModel(ToyModel):
     """Each sample needs 8 MiB of scratch memory during its step, so the step's peak grows with the micro-batch."""
 
