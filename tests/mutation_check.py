@@ -173,6 +173,24 @@ MUTATIONS = (
               "test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache",
               "tests/callbacks/test_elastic_shapes.py::"
               "test_on_cuda_a_fixed_shape_grows_from_the_tensors_peak_not_the_allocators_cache")),
+    Mutation("per-sample-lists-cut", "a per-sample list (a target tensor or dict per image, NumPy ids) is cut with its "
+             "micro-batch", "autotune/_runtime/batch.py",
+             "        return items[start:stop] if _is_per_sample(items, size, first) else None\n",
+             "        return None\n",
+             ("tests/callbacks/test_batch.py::test_per_sample_lists_of_any_kind_are_cut",
+              ELASTIC + "test_batch_structures[lists]")),
+    Mutation("logged-batch-size-is-the-samples", "epoch means weigh a step by the samples of the micro-batches that "
+             "logged", "autotune/_runtime/logbuffer.py",
+             "                    weights, arguments[\"batch_size\"] = _weights(calls)\n",
+             "                    weights = _weights(calls)[0]\n",
+             (ELASTIC + "test_epoch_means_weigh_each_step_by_the_samples_that_logged",)),
+    Mutation("unseen-update-not-replayed", "an OOM in the steady-state update of an optimizer whose changes version "
+             "counters may not see is not replayed", "autotune/_runtime/state.py",
+             "    if not _counts_its_changes(optimizer):\n", "    if False:\n",
+             (ELASTIC + "test_an_update_oom_of_an_optimizer_whose_changes_cannot_be_seen_is_not_replayed",)),
+    Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
+             "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
+             (ELASTIC + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),
 )
 
 
