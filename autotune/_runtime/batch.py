@@ -62,26 +62,40 @@ def batch_size_of(batch: Any) -> int | None:
 
 def sample_size_of(batch: Any, size: int) -> float:
     """Elements per sample in a batch of ``size`` samples: over every tensor whose first dimension is ``size``, the
-    product of its other dimensions (sequence length, channels x height x width), summed; 1.0 when there is none.
+    product of its other dimensions (sequence length, channels x height x width), summed, plus the elements of each
+    per-sample list's tensors (a list of images of different sizes) over ``size``; 1.0 when there is none.
 
     With dynamic padding it follows the batch's padded length; with mixed resolutions, its image size.
 
     Example:
         >>> sample_size_of({"input_ids": torch.zeros(4, 9), "mask": torch.zeros(4, 9), "label": torch.zeros(4)}, 4)
         19.0
+        >>> sample_size_of({"label": torch.zeros(2), "images": [torch.zeros(3, 4, 4), torch.zeros(3, 2, 2)]}, 2)
+        31.0
     """
-    return _elements_per_sample(batch, size) or 1.0
+    return _elements_per_sample(batch, size, _first_array(batch)) or 1.0
 
 
-def _elements_per_sample(batch: Any, size: int) -> float:
+def _elements_per_sample(batch: Any, size: int, first: Any) -> float:
     if isinstance(batch, _ARRAY_TYPES):
-        if batch.ndim > 0 and batch.shape[0] == size:
-            per_sample = 1
-            for d in batch.shape[1:]:
-                per_sample *= int(d)
-            return float(per_sample)
-        return 0.0
-    return sum(_elements_per_sample(child, size) for child in _children(batch))
+        return _elements(batch) / size if batch.ndim > 0 and batch.shape[0] == size else 0.0
+    if isinstance(batch, (list, tuple)) and _is_per_sample(batch, size, first):
+        return sum(_elements(a) for a in _arrays(batch)) / size
+    return sum(_elements_per_sample(child, size, first) for child in _children(batch))
+
+
+def _elements(array: Any) -> float:
+    n = 1
+    for d in array.shape:
+        n *= int(d)
+    return float(n)
+
+
+def _arrays(batch: Any) -> Any:
+    if isinstance(batch, _ARRAY_TYPES):
+        yield batch
+    for child in _children(batch):
+        yield from _arrays(child)
 
 
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:

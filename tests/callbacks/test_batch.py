@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from autotune._runtime.batch import batch_size_of, slice_batch
+from autotune._runtime.batch import batch_size_of, sample_size_of, slice_batch
 
 
 def test_per_sample_lists_of_any_kind_are_cut() -> None:
@@ -49,3 +49,9 @@ def test_dataclass_fields_set_after_construction_are_cut() -> None:
     assert part.x.tolist() == [2, 3] and part.weight.tolist() == [4.0, 6.0]
     assert batch.x.tolist() == [0, 1, 2, 3]  # the batch itself is left as it was
     assert batch_size_of(Frozen(torch.zeros(3))) == 3  # ``weight`` not set yet: skipped, not an AttributeError
+
+
+def test_sample_size_counts_per_sample_lists_of_images() -> None:
+    images = [torch.zeros(3, 8, 8), torch.zeros(3, 4, 4), torch.zeros(3, 2, 2), torch.zeros(3, 2, 2)]
+    assert sample_size_of({"label": torch.zeros(4), "images": images}, 4) == 1 + 3 * (64 + 16 + 4 + 4) / 4
+    assert sample_size_of({"label": torch.zeros(4), "images": images[:1] * 4}, 4) == 1 + 3 * 64  # follows the size
