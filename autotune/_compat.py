@@ -57,6 +57,14 @@ def post_accumulate_grad_hooks(param: Any) -> dict[int, Any]:
     return getattr(param, "_post_accumulate_grad_hooks", None) or {}
 
 
+def copy_tensors(destinations: list[Any], sources: list[Any]) -> None:
+    """``d.copy_(s)`` for each pair, in one ``torch._foreach_copy_`` (a kernel launch per device and dtype, not per
+    tensor). If it went away, a loop of ``copy_`` does the same."""
+    import torch
+
+    torch._foreach_copy_(destinations, sources)
+
+
 def is_norm_with_running_stats(module: Any) -> bool:
     """Whether ``module`` is a BatchNorm or InstanceNorm layer of any dimension that keeps running statistics
     (``torch.nn.modules.batchnorm._NormBase``, their private base). If it went away, ``ElasticBatchSize`` would raise

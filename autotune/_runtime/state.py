@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import is_norm_with_running_stats, metric_state_names, tensor_versions
+from autotune._compat import copy_tensors, is_norm_with_running_stats, metric_state_names, tensor_versions
 
 try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
     import numpy.random as _np_random
@@ -91,12 +91,12 @@ class RunningStats:
             self.stats = [b for b in buffers if not is_lazy(b)]
             self.copies = [torch.empty_like(b) for b in self.stats]
             self.pending = len(self.stats) < len(buffers)
-        torch._foreach_copy_(self.copies, self.stats)
+        copy_tensors(self.copies, self.stats)
 
     @torch.no_grad()
     def restore(self) -> None:
         if self.captured and self.stats:
-            torch._foreach_copy_(self.stats, self.copies)
+            copy_tensors(self.stats, self.copies)
 
 
 class UpdateSnapshot:
