@@ -202,6 +202,15 @@ def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.Ca
         (["--storage", "mysql:/x"], "storage 'mysql:/x' is not a storage URL; expected sqlite:///PATH"),
         (["--trials", "0"], "trials must be an int >= 1; got 0"),
         (["--warmup", "0"], "warmup must be an int >= 1; got 0"),
+        (["--out", "s.db"], "--out 's.db' is the search's storage file; give another path"),
+        (["--space", "{typo}", "--out", "{typo}"], "--out '.*typo.yaml' is the search's space file"),
+        (["--timeout", "0"], r"timeout 0.0 is not a positive number of seconds"),
+        (["--timeout", "nan"], r"timeout nan is not a positive number of seconds"),
+        (["--seed", "-1"], r"seed -1 is not an integer from 0 to 2\*\*32 - 1"),
+        (["--storage", "sqlite:///:memory:"], "storage 'sqlite:///:memory:' keeps nothing once the search ends"),
+        (["--storage", "journal:{typo}"], "storage 'journal:.*typo.yaml': .* is not an Optuna journal file"),
+        (["--budget", "1000TiB"], r"budget 1000TiB \(1000.00 TiB\) is more than cpu's memory"),
+        (["--space", "{twice}"], "space '.*twice.yaml': not valid YAML: key 'precision' appears twice \\(line 3\\)"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -209,10 +218,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys:
                                                          message: str) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "typo.yaml").write_text("dimensions:\n  precison: {choices: [32-true]}\n")
+    (tmp_path / "twice.yaml").write_text("dimensions:\n  precision: {choices: [32-true]}\n  precision: {choices: []}\n")
     options = {"--target": f"{FIXTURE}:make", "--budget": "2GiB", "--space": "cpu", "--out": "t.yaml",
                "--storage": f"sqlite:///{tmp_path}/s.db", "--trials": "2"}
     for key, value in zip(args[::2], args[1::2]):
-        options[key] = value.format(typo=tmp_path / "typo.yaml", missing=tmp_path / "missing")
+        options[key] = value.format(typo=tmp_path / "typo.yaml", missing=tmp_path / "missing",
+                                    twice=tmp_path / "twice.yaml")
     argv = ["search", options.pop("--target")] + [x for kv in options.items() for x in kv]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2

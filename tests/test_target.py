@@ -316,6 +316,26 @@ def test_no_batch_size() -> None:
 # ---------------------------------------------------------------------------------------------- malformed configs
 
 
+def test_config_trainer_values_are_checked_as_lightning_cli_checks_them(tmp_path: Path) -> None:
+    path = _config(tmp_path, """
+        model: {class_path: autotune_target_fixtures.toy.ToyModel}
+        data: {class_path: autotune_target_fixtures.toy.ToyData}
+        trainer:
+          gradient_clip_val: abc
+    """)
+    with pytest.raises(TargetError,
+                       match=r'config error: ArgumentError: Parser key "trainer.gradient_clip_val": .*value: abc'):
+        load_target(str(path))
+    _config(tmp_path, """
+        model: {class_path: autotune_target_fixtures.toy.ToyModel}
+        data: {class_path: autotune_target_fixtures.toy.ToyData}
+        trainer:
+          callbacks: [{class_path: nope.Nope}]
+    """)
+    with pytest.raises(TargetError, match=r"Problem with given class_path 'nope.Nope': No module named 'nope'"):
+        load_target(str(path))
+
+
 def test_config_without_class_paths_reports_every_error(tmp_path: Path) -> None:
     path = _config(tmp_path, """
         model:

@@ -380,6 +380,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG}: error: {message}", file=sys.stderr)
         return _EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{_PROG}: interrupted" + ("; the study is kept, and the same command resumes it (the interrupted "
-                                         "trial runs again)" if args.command == "search" else ""), file=sys.stderr)
+        print(f"{_PROG}: interrupted" + (_interrupted_search(args) if args.command == "search" else ""),
+              file=sys.stderr)
         return _EXIT_INTERRUPTED
+
+
+def _interrupted_search(args: argparse.Namespace) -> str:
+    """What an interrupted search leaves: its study, unless it was stopped before the study's file was made."""
+    import os
+
+    from autotune._search.storage import storage_file
+
+    path = storage_file(args.storage)
+    if path is not None and not os.path.exists(path):
+        return " before the study was created; nothing was written"
+    return "; the study is kept, and the same command resumes it (the interrupted trial runs again)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Any
@@ -142,6 +143,8 @@ def run_report(args: argparse.Namespace) -> int:
 
     if args.out and importlib.util.find_spec("matplotlib") is None:  # before anything is printed
         raise ValueError("the report's plots (--out) need matplotlib: pip install 'lightning-autotune[report]'")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out '{args.out}' is a file; the report writes its plots into a folder")
     from autotune._search.report import load_study, trial_table, write_plots
 
     study = load_study(storage=args.storage, study=args.study)

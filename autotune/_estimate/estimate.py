@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autotune._device.budget import Budget, BudgetSpec
+from autotune._device.budget import Budget, BudgetSpec, format_bytes
 from autotune._device.probe import DeviceSpec, probe_memory
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
 from autotune._estimate.fake_step import OptimizerFactory
@@ -207,6 +207,9 @@ def budget_in_bytes(budget: Budget | None, device: torch.device, *, what_if: boo
                              f"{device_memory!r}")
         return device_memory - context
     if budget.kind == "bytes":
+        if device_memory is not None and int(budget.value) > device_memory:  # type: ignore[arg-type]
+            raise ValueError(f"budget {budget.text} is more than the device's memory ({format_bytes(device_memory)}); "
+                             "give at most that, or a share (0.8)")
         return int(budget.value)  # type: ignore[arg-type]
     if device_memory is not None:  # a CUDA context takes its share before anything is allocated
         return budget.resolve(total_bytes=device_memory, free_bytes=max(device_memory - context, 0))

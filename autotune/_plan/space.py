@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from autotune._plan.plan import Plan, field_problems
+from autotune._plan.tuned import safe_load_unique
 
 #: Plan fields a space may search (the budget is the search's constraint, the devices its argument, the provenance
 #: its record).
@@ -160,9 +161,12 @@ def load_space(spec: str | Path) -> SearchSpace:
                 f"unknown search space '{text_spec}': use one of {', '.join(available_spaces())} or a path to a "
                 ".yaml file"
             )
-        name, text = str(path), path.read_text()
+        try:
+            name, text = str(path), path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise SpaceError(f"space '{path}': cannot read it as a YAML text file ({err})") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = safe_load_unique(text)
     except yaml.YAMLError as err:
         raise SpaceError(f"space '{name}': not valid YAML: {str(err).splitlines()[0]}") from None
     problems: list[str] = []
@@ -194,6 +198,9 @@ def _parse(name: str, doc: Any, problems: list[str]) -> SearchSpace | None:
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
             problems.append(f"{where}.choices: must be a non-empty list")
+            continue
+        if len(set(map(repr, choices))) < len(choices):
+            problems.append(f"{where}.choices: {choices!r} lists a value twice")
             continue
         for choice in choices:
             if dim_name == "micro_batch_size" and choice == AUTO:

@@ -149,11 +149,11 @@ def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], l
     """
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = safe_load_unique(path.read_text())
     except FileNotFoundError:
         raise PlanFileError(f"{path}: the tuned file does not exist") from None
-    except (OSError, yaml.YAMLError) as err:
-        raise PlanFileError(f"{path}: cannot read the tuned file: {str(err).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise PlanFileError(f"{path}: cannot read the tuned file as YAML text: {str(err).splitlines()[0]}") from None
     problems: list[str] = []
     where: dict[str, str] = {}
     return _collect_fields(doc, problems, where), where, problems
@@ -164,6 +164,10 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         problems.append("trainer: missing; a tuned file is a LightningCLI config with a 'trainer:' section")
         return {}
     trainer = doc["trainer"]
+    problems += [f"{key}: unknown key (a tuned file is a LightningCLI config: {', '.join(_CLI_KEYS)})"
+                 for key in doc if key not in _CLI_KEYS]
+    problems += [f"trainer.{key}: not an argument of lightning's Trainer" for key in trainer
+                 if key.rstrip("+") not in _signature_names("lightning.pytorch.Trainer")]
     fields: dict[str, Any] = {}
     for name in TRAINER_SETTINGS:
         if name in trainer:
@@ -196,6 +200,9 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
             problems.append(f"{key}.init_args: must be a mapping")
             continue
         for name, value in init_args.items():
+            if class_path == ELASTIC and name not in _signature_names(ELASTIC):
+                problems.append(f"{key}.init_args.{name}: not an argument of ElasticBatchSize")
+                continue
             if class_path == ELASTIC and name not in ELASTIC_SETTINGS:
                 continue  # other ElasticBatchSize options (grow, min_micro_batch_size, ...) are not plan settings
             fields[name] = value
@@ -204,6 +211,19 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if required not in found:
             problems.append(f"trainer.{key_name}: no {required} entry")
     return fields
+
+
+#: The top-level keys of a LightningCLI ``fit`` config (a tuned file may be merged into one).
+_CLI_KEYS = ("trainer", "model", "data", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
+
+
+def _signature_names(class_path: str) -> frozenset[str]:
+    """The keyword arguments of a class's constructor, by its import path."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    return frozenset(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
 
 
 def _sharded_strategy(entry: dict[str, Any], devices: Any, problems: list[str]) -> Any:
@@ -221,3 +241,39 @@ def _sharded_strategy(entry: dict[str, Any], devices: Any, problems: list[str]) 
         problems.append(f"trainer.strategy.init_args.data_parallel_size: must equal trainer.devices ({devices!r}); "
                         f"got {args.get('data_parallel_size')!r}")
     return "fsdp"
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping repeating a key (PyYAML keeps the last one silently)."""
+
+
+def _mapping_without_repeats(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``, which construct_mapping merges
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            repeated = key in seen
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            break
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key '{key}' appears twice (line {key_node.start_mark.line + 1}); keep one", None)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
+
+
+def safe_load_unique(text: str) -> Any:
+    r"""``yaml.safe_load`` of ``text``, refusing a mapping that repeats a key (tuned files, spaces, configs).
+
+    Example:
+        >>> safe_load_unique("budget: 16GiB\nbudget: 8GiB")
+        Traceback (most recent call last):
+        ...
+        yaml.constructor.ConstructorError: key 'budget' appears twice (line 2); keep one
+    """
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass

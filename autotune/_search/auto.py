@@ -19,7 +19,8 @@ def shape_key(params: dict[str, Any]) -> tuple[Any, ...]:
         >>> shape_key({"precision": "bf16-mixed", "micro_batch_size": "auto"})
         (('precision', 'bf16-mixed'),)
     """
-    return tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # a list of block class names, hashable
+                        for k, v in params.items() if k != "micro_batch_size"))
 
 
 class AutoMicro:

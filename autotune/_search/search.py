@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import time
@@ -25,7 +26,9 @@ from autotune._search.rank import (
     with_variations,
 )
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
-from autotune._search.storage import exclusive, open_storage, recover_dead_workers, requeue_interrupted, worker_id
+from autotune._search.storage import (
+    exclusive, open_storage, recover_dead_workers, requeue_interrupted, storage_file, worker_id,
+)
 from autotune._search.trial import (
     TrialResult,
     TrialSpec,
@@ -138,13 +141,21 @@ def search(
     check_positive_int("warmup", warmup, minimum=1)  # timing starts at the end of the last warm-up step
     check_positive_int("devices", devices)
     check_interval(interval)
-    out_path = _check_out(out)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout {timeout} is not a positive number of seconds")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ValueError(f"seed {seed} is not an integer from 0 to 2**32 - 1")
+    out_path = _check_out(out, inputs={"storage": storage_file(storage), "space": space, "config": config,
+                                       "target": target.rpartition(":")[0] if ":" in target else target})
     start_trial_server()  # its imports run while this process loads the target and the study
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     tgt = load_target(target, config=config)
     batch_size = tgt.batch_size()
     probe = probe_memory(dev)
     budget_bytes = parsed_budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+    if budget_bytes > probe.total_bytes:
+        raise ValueError(f"budget {parsed_budget} ({format_bytes(budget_bytes)}) is more than {dev}'s memory "
+                         f"({format_bytes(probe.total_bytes)}); give at most that, a share (0.8) or auto")
     weights = sum(p.numel() * p.element_size() for p in tgt.model.parameters())
     if weights >= budget_bytes:
         raise ValueError(f"budget {parsed_budget} ({format_bytes(budget_bytes)}) is below the model's weights alone "
@@ -163,7 +174,9 @@ def search(
         the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                         load_if_exists=True)
         _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
-                           "batch_size": batch_size})
+                           "batch_size": batch_size, "space_content": _digest(space_obj.dimensions, space_obj.seeds),
+                           "config_content": _digest(Path(config).read_bytes()) if config else None,
+                           "devices": devices})
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
@@ -191,6 +204,8 @@ def search(
         tokens = best.user_attrs.get("tokens_per_second")
         measured = plan_from_params(best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"),
                                     **sharded_devices(best.params, devices))
+        if devices > 1:  # its figures were measured on that many ranks, whatever the strategy
+            measured = measured.replace(devices=devices)
         predicted = best.user_attrs.get("predicted_peak_bytes")  # None: it ran untraced
         plan = measured.replace(
             budget=str(parsed_budget),
@@ -219,10 +234,14 @@ def search(
         optuna.logging.set_verbosity(verbosity)
 
 
-def _check_out(out: str | Path | None) -> Path | None:
+def _check_out(out: str | Path | None, *, inputs: dict[str, str | None]) -> Path | None:
+    """``out`` as a path a search may write: a file in a writable folder, none of the search's own ``inputs``."""
     if out is None:
         return None
     path = Path(out)
+    for what, given in inputs.items():
+        if given and Path(given).resolve() == path.resolve():  # the storage's file may not exist yet
+            raise ValueError(f"--out '{path}' is the search's {what} file; give another path for the tuned plan")
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise ValueError(f"--out '{path}' is a folder; give a file path like tuned.yaml")
@@ -237,6 +256,13 @@ def _study_name(target: str, budget: Budget, space: SearchSpace, device: Any) ->
     """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study."""
     stem = re.sub(r"[^A-Za-z0-9_.:-]+", "-", Path(target).name)
     return f"autotune-{stem}-{budget}-{space.name}-{device.type}"
+
+
+def _digest(*what: Any) -> str:
+    """A short digest of what a study's measurements depend on (a space's dimensions, a config file's bytes)."""
+    import hashlib
+
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:12]
 
 
 def _stamp(study: Any, attrs: dict[str, Any]) -> None:

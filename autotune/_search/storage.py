@@ -38,9 +38,16 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
         _check_place(url, path, must_exist=read_only)
         from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(path))
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(path))
+        except Exception as err:  # a file that is no journal: binary, YAML, a half-written line
+            raise ValueError(f"storage '{url}': '{path}' is not an Optuna journal file ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}); give a new path or one a search wrote") from None
     if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
         path = url[len("sqlite:///") :]
+        if path.startswith(":memory:") or "mode=memory" in path:
+            raise ValueError(f"storage '{url}' keeps nothing once the search ends, so it cannot be resumed or "
+                             f"reported; expected {_ACCEPTED}")
         _check_place(url, path, must_exist=read_only)
         if read_only:  # SQLite's read-only mode: even a file that is no Optuna study is left as it is
             url = f"sqlite:///file:{os.path.abspath(path)}?mode=ro&uri=true"
@@ -64,8 +71,23 @@ def _check_place(url: str, path: str, *, must_exist: bool) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"storage '{url}': folder '{folder}' does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"storage '{url}': '{path}' is a folder; give a file path")
     if must_exist and not os.path.isfile(path):
         raise ValueError(f"storage '{url}': file '{path}' does not exist (no search has used it)")
+    # A search writes the file, and SQLite and the journal's lock write beside it.
+    if not must_exist and not (os.access(folder, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK))):
+        raise ValueError(f"storage '{url}': '{path}' or its folder is not writable")
+
+
+def storage_file(url: str | None) -> str | None:
+    """The file a SQLite or journal storage URL names (None for a server)."""
+    url = url or DEFAULT_STORAGE
+    if url.startswith("journal:"):
+        return url[len("journal:") :].removeprefix("//") or None
+    if url.startswith("sqlite:///"):
+        return url[len("sqlite:///") :].split("?")[0] or None
+    return None
 
 
 def _rdb(url: str, *, read_only: bool = False) -> Any:

@@ -89,8 +89,10 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
         raise TargetError(f"{prefix}: file '{path}' does not exist")
     import yaml
 
+    from autotune._plan.tuned import safe_load_unique
+
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = safe_load_unique(path.read_text())
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as error:
         raise TargetError(f"{prefix}: cannot read the config: {_one_line(error)}") from error
     if not isinstance(raw, dict):
@@ -123,6 +125,8 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
         unknown = sorted(str(key) for key in trainer if key not in known)
         if unknown:
             errors.append(f"trainer: unknown arguments {', '.join(map(repr, unknown))} (see lightning.pytorch.Trainer)")
+        elif trainer:
+            errors += _trainer_value_errors(trainer)
     seed = raw.get("seed_everything")
     if seed is True:
         seed = random.SystemRandom().randint(0, _MAX_SEED)  # fixed once, so that every build has the same weights
@@ -135,6 +139,22 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
     return _CliConfig(model=sections.get("model"), data=sections.get("data"),
                       optimizer=sections.get("optimizer"), lr_scheduler=sections.get("lr_scheduler"),
                       trainer=trainer, seed=seed, folders=folders)
+
+
+def _trainer_value_errors(trainer: dict[str, Any]) -> list[str]:
+    """The trainer section's values checked against ``Trainer``'s type hints as LightningCLI checks them (a
+    ``gradient_clip_val: abc``, a callback class that does not import), so that they fail here, in one line, rather
+    than in every trial."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import Trainer
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(Trainer, "trainer", fail_untyped=False)
+    try:
+        parser.parse_object({"trainer": trainer})
+    except Exception as error:  # jsonargparse's ArgumentError, and whatever a class_path's import raises
+        return [_one_line(error)[:400]]
+    return []
 
 
 def _class_section(

@@ -317,6 +317,9 @@ def _build_from_factory(spec: str, factory: _Factory, cli: _CliConfig | None) ->
             result = factory.function()
     except Exception as error:
         raise TargetError(f"target '{spec}': {factory.name}() raised {_one_line(error)}") from error
+    except SystemExit as error:  # a factory that ends the process (argparse inside it, sys.exit) ends only itself
+        raise TargetError(f"target '{spec}': {factory.name}() called sys.exit({error.code!r}); a factory returns "
+                          "a LightningModule or (LightningModule, LightningDataModule)") from None
     if isinstance(result, LightningModule):
         model, datamodule = result, None
     elif (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], LightningModule)
