@@ -59,7 +59,8 @@ def post_accumulate_grad_hooks(param: Any) -> dict[int, Any]:
 
 def copy_tensors(destinations: list[Any], sources: list[Any]) -> None:
     """``d.copy_(s)`` for each pair, in one ``torch._foreach_copy_`` (a kernel launch per device and dtype, not per
-    tensor). If it went away, a loop of ``copy_`` does the same."""
+    tensor). If it went away, running statistics would not be rolled back after a failed attempt (the BatchNorm test
+    fails); a loop of ``copy_`` is its replacement."""
     import torch
 
     torch._foreach_copy_(destinations, sources)

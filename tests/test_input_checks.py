@@ -36,7 +36,7 @@ def test_a_tuned_file_with_keys_lightning_would_refuse_is_refused(tmp_path: Path
     with pytest.raises(PlanFileError) as info:
         load_plan(path)
     message = str(info.value)
-    assert "colour: unknown key (a tuned file is a LightningCLI config: trainer, model, data" in message
+    assert "colour: unknown key (a tuned file is a LightningCLI config: model, data, trainer" in message
     assert "trainer.max_stepz: not an argument of lightning's Trainer" in message
     assert "trainer.callbacks+[0].init_args.colur: not an argument of ElasticBatchSize" in message
     assert "grow_after" not in message  # an ElasticBatchSize option that is not a plan setting is fine

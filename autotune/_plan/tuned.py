@@ -4,6 +4,7 @@ document and validates what is read: see :mod:`autotune._plan.plan`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
@@ -164,8 +165,8 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         problems.append("trainer: missing; a tuned file is a LightningCLI config with a 'trainer:' section")
         return {}
     trainer = doc["trainer"]
-    problems += [f"{key}: unknown key (a tuned file is a LightningCLI config: {', '.join(_CLI_KEYS)})"
-                 for key in doc if key not in _CLI_KEYS]
+    problems += [f"{key}: unknown key (a tuned file is a LightningCLI config: {', '.join(CLI_CONFIG_KEYS)})"
+                 for key in doc if key not in CLI_CONFIG_KEYS]
     problems += [f"trainer.{key}: not an argument of lightning's Trainer" for key in trainer
                  if key.rstrip("+") not in _signature_names("lightning.pytorch.Trainer")]
     fields: dict[str, Any] = {}
@@ -213,10 +214,11 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
     return fields
 
 
-#: The top-level keys of a LightningCLI ``fit`` config (a tuned file may be merged into one).
-_CLI_KEYS = ("trainer", "model", "data", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
+#: The top-level keys of a LightningCLI ``fit`` config (a tuned file may be merged into one; targets read them too).
+CLI_CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
 
 
+@functools.cache
 def _signature_names(class_path: str) -> frozenset[str]:
     """The keyword arguments of a class's constructor, by its import path."""
     import importlib

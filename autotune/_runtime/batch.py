@@ -3,11 +3,13 @@
 A batch is any nesting of mappings, sequences, namedtuples and dataclasses around tensors (or NumPy arrays). The
 batch size ``N`` is the length of the first dimension of the first tensor found depth-first. A micro-batch keeps
 the structure and cuts every tensor whose first dimension is ``N``; other tensors (a scalar, a shared mask) are
-passed unchanged. A list or tuple of ``N`` items is a per-sample list and is cut too when its items are numbers or
-strings (ids, captions), or are all of one kind (``(h, w)`` sizes, one target dict per image, one tensor per image
-of the same number of dimensions and dtype) and neither all hold a tensor of ``N`` samples nor hold the tensor ``N``
-was read from; any other list or tuple is structure (``[x, y]``, ``(input_ids, position_ids)``) and each item is
-mapped.
+passed unchanged. A list or tuple of ``N`` items that does not hold the tensor ``N`` was read from is a per-sample
+list, cut too, when its items are numbers or strings (ids, captions), or are all of one kind (``None`` aside) and
+either tensors (images of mixed resolutions, one box tensor per image) other than ``N``-row tensors of one shape,
+or containers that do not all hold a tensor of ``N`` samples (one target dict per image, ``(h, w)`` sizes). Any
+other list or tuple is structure (``[x, y]``, ``(input_ids, position_ids)``, sub-batches) and each item is mapped;
+mappings, namedtuples and dataclasses are always structure: put a tuple of ``N`` items that is not per-sample (a
+``(mean, std)`` pair when ``N`` is 2) in one of those.
 """
 
 from __future__ import annotations
@@ -152,10 +154,12 @@ def _is_per_sample(items: list[Any] | tuple[Any, ...], size: int, first: Any) ->
         return False
     if all(isinstance(v, _LEAF_TYPES) or _is_number(v) for v in items):
         return True
-    kinds = {_kind(v) for v in items if v is not None}
-    if len(kinds) != 1 or _holds(items, lambda a: a is first):
+    present = [v for v in items if v is not None]
+    if len({_kind(v) for v in present}) != 1 or _holds(items, lambda a: a is first):
         return False
-    return not all(_holds(v, lambda a: a.ndim > 0 and a.shape[0] == size) for v in items)
+    if isinstance(present[0], _ARRAY_TYPES):  # tensors: structure only as N-row tensors of one shape (sub-batches)
+        return len({tuple(v.shape) for v in present}) > 1 or present[0].shape[0] != size
+    return not all(_holds(v, lambda a: a.ndim > 0 and a.shape[0] == size) for v in present)
 
 
 def _is_number(value: Any) -> bool:
@@ -234,11 +238,18 @@ def _map_arrays(batch: Any, fn: Any, lists: Any = None) -> Any:
             return items
     if _is_namedtuple(batch):
         return type(batch)(*(_map_arrays(v, fn, lists) for v in batch))
-    if _is_dataclass_instance(batch):  # a copy with every field mapped: ``init=False`` fields too, frozen or not
-        mapped = copy.copy(batch)
-        for f in dataclasses.fields(batch):
-            if hasattr(batch, f.name):
-                object.__setattr__(mapped, f.name, _map_arrays(getattr(batch, f.name), fn, lists))
+    if _is_dataclass_instance(batch):  # ``replace`` (``__post_init__`` runs again), then fields set after it
+        fields = [f for f in dataclasses.fields(batch) if hasattr(batch, f.name)]
+        try:
+            mapped = dataclasses.replace(batch, **{f.name: _map_arrays(getattr(batch, f.name), fn, lists)
+                                                   for f in fields if f.init})
+        except (TypeError, ValueError):  # an InitVar, or a __post_init__ that needs more: a copy of the object
+            mapped = copy.copy(batch)
+        for f in fields:  # ``init=False`` fields the batch's maker set (per-sample weights), frozen or not
+            old = getattr(batch, f.name)
+            new = _map_arrays(old, fn, lists)
+            if new is not old or not hasattr(mapped, f.name):  # not one ``__post_init__`` derives (a count)
+                object.__setattr__(mapped, f.name, new)
         return mapped
     if isinstance(batch, (list, tuple)):
         whole = lists(batch) if lists is not None else None

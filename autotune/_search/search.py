@@ -160,7 +160,8 @@ def search(
     if weights >= budget_bytes:
         raise ValueError(f"budget {parsed_budget} ({format_bytes(budget_bytes)}) is below the model's weights alone "
                          f"({format_bytes(weights)}); raise the budget")
-    space_obj = load_space(space or default_space_name(dev)).for_device(dev, batch_size=batch_size)
+    loaded_space = load_space(space or default_space_name(dev))
+    space_obj = loaded_space.for_device(dev, batch_size=batch_size)
     tgt.check_runnable(next((d.choices for d in space_obj.dimensions if d.name == "strategy"), ("auto",)))
     stor = open_storage(storage)
     name = study or _study_name(target, parsed_budget, space_obj, dev)
@@ -174,9 +175,9 @@ def search(
         the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                         load_if_exists=True)
         _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
-                           "batch_size": batch_size, "space_content": _digest(space_obj.dimensions, space_obj.seeds),
-                           "config_content": _digest(Path(config).read_bytes()) if config else None,
-                           "devices": devices})
+                           "batch_size": batch_size, "devices": devices,
+                           "space_content": _digest(loaded_space.dimensions, loaded_space.seeds),  # as written
+                           "config_content": _digest(Path(config).read_bytes()) if config else None})
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,

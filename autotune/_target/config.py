@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune._plan.tuned import CLI_CONFIG_KEYS, safe_load_unique  # a target reads ckpt_path and does not use it
+
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule, LightningModule
 
-#: Top-level keys of a LightningCLI config that a target reads (``ckpt_path`` is accepted and not used).
-_CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
 _CLASS_KEYS = ("class_path", "init_args")
 #: Where a bare class name (``optimizer: AdamW``) is looked up, as LightningCLI's registries do.
 _SHORT_NAME_MODULES = {
@@ -89,8 +89,6 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
         raise TargetError(f"{prefix}: file '{path}' does not exist")
     import yaml
 
-    from autotune._plan.tuned import safe_load_unique
-
     try:
         raw = safe_load_unique(path.read_text())
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as error:
@@ -98,7 +96,7 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
     if not isinstance(raw, dict):
         raise TargetError(f"{prefix}: a LightningCLI config must be a mapping with `model:` and `data:` sections; "
                           f"got {type(raw).__name__}")
-    errors = [f"unknown key '{key}' (accepted: {', '.join(_CONFIG_KEYS)})" for key in raw if key not in _CONFIG_KEYS]
+    errors = [f"unknown key '{key}' (accepted: {', '.join(CLI_CONFIG_KEYS)})" for key in raw if key not in CLI_CONFIG_KEYS]
     folders = (str(path.resolve().parent), os.getcwd())
     sections: dict[str, _ClassSection | None] = {}
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -126,7 +124,8 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
         if unknown:
             errors.append(f"trainer: unknown arguments {', '.join(map(repr, unknown))} (see lightning.pytorch.Trainer)")
         elif trainer:
-            errors += _trainer_value_errors(trainer)
+            with on_sys_path(folders):  # callbacks' class paths import as LightningCLI's would, beside the config
+                errors += _trainer_value_errors(trainer)
     seed = raw.get("seed_everything")
     if seed is True:
         seed = random.SystemRandom().randint(0, _MAX_SEED)  # fixed once, so that every build has the same weights

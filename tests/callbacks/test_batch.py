@@ -34,6 +34,16 @@ def test_lists_that_are_structure_are_mapped_not_cut() -> None:
     assert [t.tolist() for t in slice_batch([x, y], 0, 1, 2)] == [[0], [0]]
     mixed = [torch.zeros(3, 2), torch.zeros(5), "cfg"]  # different kinds: structure
     assert [getattr(v, "shape", v) for v in slice_batch(mixed, 0, 1, 3)] == [(1, 2), (5,), "cfg"]
+    part = slice_batch({"labels": torch.zeros(2), "inputs": (torch.zeros(2, 5), None)}, 0, 1, 2)["inputs"]
+    assert part[0].shape == (1, 5) and part[1] is None  # None aside, one N-row tensor: structure
+    sub = slice_batch({"y": torch.zeros(2), "text": [torch.zeros(2, 5), torch.ones(2, 5)]}, 1, 2, 2)["text"]
+    assert [t.shape for t in sub] == [(1, 5), (1, 5)]  # N-row tensors of one shape: a sub-batch
+
+
+def test_images_whose_channels_equal_the_batch_size_are_still_samples() -> None:
+    images = [torch.zeros(3, h, h) for h in (4, 5, 6)]
+    part = slice_batch({"label": torch.zeros(3), "images": images}, 1, 3, 3)["images"]
+    assert [tuple(t.shape) for t in part] == [(3, 5, 5), (3, 6, 6)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,19 @@ def test_dataclass_fields_set_after_construction_are_cut() -> None:
     assert part.x.tolist() == [2, 3] and part.weight.tolist() == [4.0, 6.0]
     assert batch.x.tolist() == [0, 1, 2, 3]  # the batch itself is left as it was
     assert batch_size_of(Frozen(torch.zeros(3))) == 3  # ``weight`` not set yet: skipped, not an AttributeError
+
+
+@dataclasses.dataclass
+class Counted:
+    x: torch.Tensor
+    size: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.size = len(self.x)
+
+
+def test_a_dataclass_micro_batch_runs_its_post_init() -> None:
+    assert slice_batch(Counted(torch.zeros(4)), 0, 3, 4).size == 3
 
 
 def test_sample_size_counts_per_sample_lists_of_images() -> None:

@@ -135,7 +135,7 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
 
     plan = load_plan(out)
     assert plan.strategy in ("ddp", "fsdp") and plan.budget == "2GiB"
-    assert plan.devices == (2 if plan.strategy == "fsdp" else None)
+    assert plan.devices == 2  # the ranks its figures were measured on, whatever the strategy
     assert plan.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
     assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
     assert plan.provenance.produced_by.startswith("search (study 'ddp'")
