@@ -53,13 +53,8 @@ def _children(batch: Any) -> Any:
 
 def batch_size_of(batch: Any) -> int | None:
     """The first dimension of the first tensor in ``batch`` (depth-first), or None when there is none."""
-    if isinstance(batch, _ARRAY_TYPES):
-        return int(batch.shape[0]) if batch.ndim > 0 else None
-    for child in _children(batch):
-        size = batch_size_of(child)
-        if size is not None:
-            return size
-    return None
+    first = _first_array(batch)
+    return None if first is None else int(first.shape[0])
 
 
 def sample_size_of(batch: Any, size: int) -> float:
@@ -121,7 +116,7 @@ def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
 
 
 def _first_array(batch: Any) -> Any:
-    """The first tensor or array in ``batch`` depth-first (the one :func:`batch_size_of` reads), or None."""
+    """The first tensor or array in ``batch`` depth-first, 0-d ones aside (``N`` is its first dimension), or None."""
     if isinstance(batch, _ARRAY_TYPES):
         return batch if batch.ndim > 0 else None
     for child in _children(batch):
