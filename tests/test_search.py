@@ -116,7 +116,7 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
     # per sample and block, micro-batch 2 against 16 (of batches of 16: a step's time is its samples' page faults).
     small, large = (measure_plan(target=f"{FIXTURE}:make_huge_half", plan=Plan(micro_batch_size=m), device="cpu",
                                  **FAST) for m in (2, 16))
-    assert large.peak_bytes - small.peak_bytes > 800 * 2**20
+    assert large.peak_bytes - small.peak_bytes > 640 * 2**20  # 787 to over 900 MiB in CI runs: half of it each side
     budget = (small.peak_bytes + large.peak_bytes) // 2
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 2}, {"micro_batch_size": 16}), micro_batch_size=[2, 16])
     result = search(device="cpu", target=f"{FIXTURE}:make_huge_half", budget=budget, space=space, trials=2,
