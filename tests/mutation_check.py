@@ -40,6 +40,7 @@ class Mutation:
 
 
 ELASTIC = "tests/callbacks/test_elastic.py::"
+STATE = "tests/callbacks/test_elastic_state.py::"
 MUTATIONS = (
     Mutation("update-snapshot-restored", "an OOM in an update that creates state replays exactly",
              "autotune/_runtime/microbatch.py", "                self.snapshot.restore()\n", "                pass\n",
@@ -183,14 +184,14 @@ MUTATIONS = (
              "logged", "autotune/_runtime/logbuffer.py",
              "                    weights, arguments[\"batch_size\"] = _weights(calls)\n",
              "                    weights = _weights(calls)[0]\n",
-             (ELASTIC + "test_epoch_means_weigh_each_step_by_the_samples_that_logged",)),
+             (STATE + "test_epoch_means_weigh_each_step_by_the_samples_that_logged",)),
     Mutation("unseen-update-not-replayed", "an OOM in the steady-state update of an optimizer whose changes version "
              "counters may not see is not replayed", "autotune/_runtime/state.py",
              "    if not _counts_its_changes(optimizer):\n", "    if False:\n",
-             (ELASTIC + "test_an_update_oom_of_an_optimizer_whose_changes_cannot_be_seen_is_not_replayed",)),
+             (STATE + "test_an_update_oom_of_an_optimizer_whose_changes_cannot_be_seen_is_not_replayed",)),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
-             (ELASTIC + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),
+             (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),
 )
 
 

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from autotune._search.rank import (
 )
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import (
-    exclusive, open_storage, recover_dead_workers, requeue_interrupted, storage_file, worker_id,
+    digest, exclusive, open_storage, recover_dead_workers, requeue_interrupted, stamp_study, storage_file, study_name,
+    worker_id,
 )
 from autotune._search.trial import (
     TrialResult,
@@ -164,7 +164,7 @@ def search(
     space_obj = loaded_space.for_device(dev, batch_size=batch_size)
     tgt.check_runnable(next((d.choices for d in space_obj.dimensions if d.name == "strategy"), ("auto",)))
     stor = open_storage(storage)
-    name = study or _study_name(target, parsed_budget, space_obj, dev)
+    name = study or study_name(target, parsed_budget, space_obj, dev)
     verbosity = optuna.logging.get_verbosity()
     runner: _Objective | None = None
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no INFO line per trial; the caller's level comes back
@@ -174,10 +174,10 @@ def search(
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=guided)
         the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                         load_if_exists=True)
-        _stamp(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
+        stamp_study(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
                            "batch_size": batch_size, "devices": devices,
-                           "space_content": _digest(loaded_space.dimensions, loaded_space.seeds),  # as written
-                           "config_content": _digest(Path(config).read_bytes()) if config else None})
+                           "space_content": digest(loaded_space.dimensions, loaded_space.seeds),  # as written
+                           "config_content": digest(Path(config).read_bytes()) if config else None})
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
@@ -251,31 +251,6 @@ def _check_out(out: str | Path | None, *, inputs: dict[str, str | None]) -> Path
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"--out '{path}' is not writable")
     return path
-
-
-def _study_name(target: str, budget: Budget, space: SearchSpace, device: Any) -> str:
-    """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study."""
-    stem = re.sub(r"[^A-Za-z0-9_.:-]+", "-", Path(target).name)
-    return f"autotune-{stem}-{budget}-{space.name}-{device.type}"
-
-
-def _digest(*what: Any) -> str:
-    """A short digest of what a study's measurements depend on (a space's dimensions, a config file's bytes)."""
-    import hashlib
-
-    return hashlib.sha256(repr(what).encode()).hexdigest()[:12]
-
-
-def _stamp(study: Any, attrs: dict[str, Any]) -> None:
-    """Record what the study is about; a resumed study must be about the same thing."""
-    existing = study.user_attrs
-    clashes = [f"{k} {existing[k]!r} (now {v!r})" for k, v in attrs.items() if k in existing and existing[k] != v]
-    if clashes:
-        raise ValueError(f"study '{study.study_name}' was created for another search: {', '.join(clashes)}; "
-                         "use another --study name")
-    for key, value in attrs.items():
-        if key not in existing:
-            study.set_user_attr(key, value)
 
 
 class _Objective:

@@ -1,13 +1,16 @@
 """Optuna storage from a URL: SQLite (default, one process), journal file (many workers on one machine),
-PostgreSQL (many machines); heartbeat where the storage has one, and dead-worker recovery where it has not."""
+PostgreSQL (many machines); heartbeat where the storage has one, and dead-worker recovery where it has not; and a
+study's identity: its default name and the stamp a resumed study must match."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from autotune._compat import journal_file_path, study_storage, trial_id
@@ -182,3 +185,29 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ------------------------------------------------------------------------------------------ study identity
+def study_name(target: str, budget: Any, space: Any, device: Any) -> str:
+    """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study."""
+    stem = re.sub(r"[^A-Za-z0-9_.:-]+", "-", Path(target).name)
+    return f"autotune-{stem}-{budget}-{space.name}-{device.type}"
+
+
+def digest(*what: Any) -> str:
+    """A short digest of what a study's measurements depend on (a space's dimensions, a config file's bytes)."""
+    import hashlib
+
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:12]
+
+
+def stamp_study(study: Any, attrs: dict[str, Any]) -> None:
+    """Record what the study is about; a resumed study must be about the same thing."""
+    existing = study.user_attrs
+    clashes = [f"{k} {existing[k]!r} (now {v!r})" for k, v in attrs.items() if k in existing and existing[k] != v]
+    if clashes:
+        raise ValueError(f"study '{study.study_name}' was created for another search: {', '.join(clashes)}; "
+                         "use another --study name")
+    for key, value in attrs.items():
+        if key not in existing:
+            study.set_user_attr(key, value)
