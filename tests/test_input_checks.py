@@ -76,3 +76,26 @@ def test_a_list_of_block_classes_is_a_shape_key_part() -> None:
     assert shape_key({"activation_checkpointing": ["Block"], "micro_batch_size": 8}) == (
         ("activation_checkpointing", ("Block",)),)
     hash(shape_key({"activation_checkpointing": ["Block"]}))
+
+
+def test_an_interrupted_search_says_whether_it_left_a_study(tmp_path: Path) -> None:
+    import argparse
+
+    from autotune._cli.main import _interrupted_search
+
+    args = argparse.Namespace(storage=f"sqlite:///{tmp_path}/s.db")
+    assert _interrupted_search(args) == " before the study was created; nothing was written"
+    (tmp_path / "s.db").write_bytes(b"")
+    assert "the study is kept, and the same command resumes it" in _interrupted_search(args)
+
+
+def test_an_estimate_budget_above_the_devices_memory_is_refused() -> None:
+    import torch
+
+    from autotune._device.budget import Budget
+    from autotune._estimate.estimate import budget_in_bytes
+
+    with pytest.raises(ValueError, match=r"budget 200GiB is more than the device's memory \(80.00 GiB\)"):
+        budget_in_bytes(Budget.parse("200GiB"), torch.device("cuda"), what_if=True, device_memory=80 * 2**30)
+    assert budget_in_bytes(Budget.parse("60GiB"), torch.device("cuda"), what_if=True,
+                           device_memory=80 * 2**30) == 60 * 2**30

@@ -168,7 +168,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
     problems += [f"{key}: unknown key (a tuned file is a LightningCLI config: {', '.join(CLI_CONFIG_KEYS)})"
                  for key in doc if key not in CLI_CONFIG_KEYS]
     problems += [f"trainer.{key}: not an argument of lightning's Trainer" for key in trainer
-                 if key.rstrip("+") not in _signature_names("lightning.pytorch.Trainer")]
+                 if key.rstrip("+") not in constructor_arguments("lightning.pytorch.Trainer")]
     fields: dict[str, Any] = {}
     for name in TRAINER_SETTINGS:
         if name in trainer:
@@ -201,7 +201,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
             problems.append(f"{key}.init_args: must be a mapping")
             continue
         for name, value in init_args.items():
-            if class_path == ELASTIC and name not in _signature_names(ELASTIC):
+            if class_path == ELASTIC and name not in constructor_arguments(ELASTIC):
                 problems.append(f"{key}.init_args.{name}: not an argument of ElasticBatchSize")
                 continue
             if class_path == ELASTIC and name not in ELASTIC_SETTINGS:
@@ -219,8 +219,8 @@ CLI_CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "
 
 
 @functools.cache
-def _signature_names(class_path: str) -> frozenset[str]:
-    """The keyword arguments of a class's constructor, by its import path."""
+def constructor_arguments(class_path: str) -> frozenset[str]:
+    """The arguments of a class's constructor, by its import path (read once per class)."""
     import importlib
     import inspect
 

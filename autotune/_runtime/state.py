@@ -248,6 +248,7 @@ def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any] | None:
     """
     if not _counts_its_changes(optimizer):
         return None
+
     def marks() -> Any:
         for group in optimizer.param_groups:
             yield from group["params"]

@@ -174,10 +174,11 @@ def search(
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=guided)
         the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                         load_if_exists=True)
-        stamp_study(the_study, {"target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
-                           "batch_size": batch_size, "devices": devices,
-                           "space_content": digest(loaded_space.dimensions, loaded_space.seeds),  # as written
-                           "config_content": digest(Path(config).read_bytes()) if config else None})
+        stamp_study(the_study, {
+            "target": target, "budget": str(parsed_budget), "space": space_obj.name, "device": dev.type,
+            "batch_size": batch_size, "devices": devices,
+            "space_content": digest(loaded_space.dimensions, loaded_space.seeds),  # as written, before the device's cut
+            "config_content": digest(Path(config).read_bytes()) if config else None})
         the_study.set_user_attr("budget_bytes", budget_bytes)  # "auto" and fractions resolve anew on each run
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,

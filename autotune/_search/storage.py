@@ -34,8 +34,8 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
     import optuna
 
     url = shown = url or DEFAULT_STORAGE
+    path = storage_file(url)
     if url.startswith("journal:"):
-        path = url[len("journal:") :].removeprefix("//")
         if not path:
             raise ValueError(f"storage '{url}' has no file path; expected {_ACCEPTED}")
         _check_place(url, path, must_exist=read_only)
@@ -46,9 +46,8 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
         except Exception as err:  # a file that is no journal: binary, YAML, a half-written line
             raise ValueError(f"storage '{url}': '{path}' is not an Optuna journal file ({type(err).__name__}: "
                              f"{' '.join(str(err).split())[:200]}); give a new path or one a search wrote") from None
-    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        path = url[len("sqlite:///") :]
-        if path.startswith(":memory:") or "mode=memory" in path:
+    if url.startswith("sqlite:///") and path:
+        if path.startswith(":memory:") or "mode=memory" in url:
             raise ValueError(f"storage '{url}' keeps nothing once the search ends, so it cannot be resumed or "
                              f"reported; expected {_ACCEPTED}")
         _check_place(url, path, must_exist=read_only)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import inspect
 import os
 import random
 import sys
@@ -23,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune._plan.tuned import CLI_CONFIG_KEYS, safe_load_unique  # a target reads ckpt_path and does not use it
+from autotune._plan.tuned import (  # a target reads ckpt_path and does not use it
+    CLI_CONFIG_KEYS, constructor_arguments, safe_load_unique,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -96,7 +97,8 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
     if not isinstance(raw, dict):
         raise TargetError(f"{prefix}: a LightningCLI config must be a mapping with `model:` and `data:` sections; "
                           f"got {type(raw).__name__}")
-    errors = [f"unknown key '{key}' (accepted: {', '.join(CLI_CONFIG_KEYS)})" for key in raw if key not in CLI_CONFIG_KEYS]
+    errors = [f"unknown key '{key}' (accepted: {', '.join(CLI_CONFIG_KEYS)})" for key in raw
+              if key not in CLI_CONFIG_KEYS]
     folders = (str(path.resolve().parent), os.getcwd())
     sections: dict[str, _ClassSection | None] = {}
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -117,9 +119,7 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
         errors.append(f"trainer: must be a mapping of Trainer arguments; got {type(trainer).__name__}")
         trainer = {}
     else:
-        from lightning.pytorch import Trainer
-
-        known = inspect.signature(Trainer.__init__).parameters
+        known = constructor_arguments("lightning.pytorch.Trainer")
         unknown = sorted(str(key) for key in trainer if key not in known)
         if unknown:
             errors.append(f"trainer: unknown arguments {', '.join(map(repr, unknown))} (see lightning.pytorch.Trainer)")
