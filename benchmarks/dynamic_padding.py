@@ -186,6 +186,7 @@ def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu",
             self.micro_batches = 0
             self.exact = True
             self.host_s = 0.0  # time in the shape model's per-step work (sample size, choice, taking note)
+            self.trace: list[dict[str, Any]] = []  # the memory rule's steps: length, split, the allocator's peaks
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             if elastic is None:
@@ -212,6 +213,11 @@ def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu",
             ran = [i for ids in module.attempts[-count:] for i in ids]  # the attempt that succeeded
             self.exact = self.exact and ran == batch["ids"].tolist()
             module.attempts.clear()
+            if memory is not None and rule == "memory" and engine is not None:  # what bound each step's split
+                model = engine.shapes.model
+                self.trace.append({"length": self.lengths[-1], "micro": engine.sizes[0], "count": count,
+                                   "allocated": torch.cuda.max_memory_allocated(), "static": model.static_bytes,
+                                   "reserved": torch.cuda.max_memory_reserved(), "limit": model.limit_bytes})
 
     L.seed_everything(seed, verbose=False)
     data = PaddedTokens(vocab_size=MODEL["vocab_size"], batch_size=BATCH, short=SHORT, longest=LONGEST,
@@ -248,7 +254,33 @@ def run(*, rule: str, policy: str, steps: int, seed: int, device: str = "cpu",
         "weights": [p.detach().cpu().clone() for p in model.parameters()],
         "longest_batch": max(record.lengths), "shortest_batch": min(record.lengths),
         "host_us_per_step": 1e6 * record.host_s / max(1, len(record.lengths)),
+        **({"trace": record.trace} if record.trace else {}),
     }
+
+
+def split_beyond(row: dict[str, Any], memory: RealMemory) -> list[str]:
+    """Lines on the memory rule's steps split into more micro-batches than the probe's fewest: how many, and by
+    padded length the tensors' peak over the step's static part per sample-token, against the model's byte cap (a
+    cost per token that falls with the length is a part of the step that does not grow with the batch)."""
+    mib, trace = 2**20, row["trace"]
+    over = [t for t in trace if t["count"] > fewest("memory", t["length"], memory)]
+    limits = {t["limit"] for t in trace if t["limit"]}
+    lines = [f"split beyond the fewest: {len(over)} of {len(trace)} steps ({row['policy']}); the model's cap on a "
+             f"step's tensors {', '.join(f'{x / mib:.0f}' for x in sorted(limits)) or '-'} MiB, static "
+             f"{max(t['static'] for t in trace) / mib:.0f} MiB"]
+    for low, high in ((1, 16), (17, 32), (33, 64), (65, LONGEST)):
+        steps = [t for t in trace if low <= t["length"] <= high]
+        if not steps:
+            continue
+        per_token = [(t["allocated"] - t["static"]) / (t["micro"] * t["length"]) / 1024 for t in steps]
+        run = [t["micro"] for t in steps]
+        probed = [memory.largest[t["length"]] for t in steps]
+        lines.append(f"  lengths {low}-{high}: {len(steps)} steps, {sum(t in over for t in steps)} split beyond; "
+                     f"micro-batch run {min(run)}-{max(run)}, the probe's {min(probed)}-{max(probed)}; tensors over "
+                     f"static {min(per_token):.0f}-{max(per_token):.0f} KiB per sample-token, peak "
+                     f"{max(t['allocated'] for t in steps) / mib:.0f} MiB, reserve "
+                     f"{max(t['reserved'] for t in steps) / mib:.0f} MiB")
+    return lines
 
 
 def _with_ids(data: Any) -> Any:
@@ -291,7 +323,7 @@ def measure(*, rules: list[str], steps: int, seeds: list[int], device: str,
     return rows
 
 
-def report(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+def report(rows: list[dict[str, Any]], info: dict[str, Any], memory: RealMemory | None = None) -> str:
     header = ["rule", "policy", "seed", "steps", "OOMs", "micro-batches", "fewest", "ratio", "global_step = batches",
               "every sample once", "max weight diff", "padded lengths", "shape model us/step", "wall s"]
     body = []
@@ -313,6 +345,9 @@ def report(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
                      "model's host "
                      f"time at most {max(r['host_us_per_step'] for r in shape):.0f} us per step (goal <= 100; timed "
                      "with wrappers, which add about 1 us a call)")
+    for r in rows:
+        if memory is not None and r.get("trace"):
+            lines += split_beyond(r, memory)
     return "\n".join(lines)
 
 
@@ -339,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if memory is not None:
         info["memory_rule"] = memory.describe()
     rows = measure(rules=rules, steps=steps, seeds=seeds, device=args.device, memory=memory)
-    print(report(rows, info))
+    print(report(rows, info, memory))
     write_json(args.json, {"machine": info, "rows": rows})
     return 0
 

@@ -113,6 +113,7 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
 
 #: Lines of a step's output worth showing in the report (the rest stays in its log file).
 _KEEP = ("passed", "failed", "error", "median", "goal", "largest", "shape-aware", "wrote", "best", "mfu", "FAILED",
+         "by size", "split beyond",
          "samples/s", "Traceback", "timed out")
 
 

@@ -18,7 +18,8 @@ The plans (CUDA, on ``benchmarks/gpu_targets.py:gpt_350m``, 310M parameters, con
 micro-batch 16 with full checkpointing (eager), then with optimizer offload, then also compiled with
 ``compile_memory_budget`` 0 (the realistic search's best plan), then eager with float8 (``--quick``: the first
 three). On CUDA the first plan is then fitted once more in this process under the allocator's memory history, and
-what is alive at its peak is listed by the Python line that allocated it (``where`` in the JSON). On CPU, on the
+what is alive at its peak is listed by the Python line that allocated it and by size, and the peak placed in its
+phase of a step (``where`` in the JSON; without stacks where recording them fails). On CPU, on the
 example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
 (``--quick``: the first only, a check of the plumbing).
 
@@ -96,6 +97,25 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
             "samples_per_second": result.samples_per_second, "note": note}
 
 
+#: Markers the "where" fit allocates and frees at each phase of a step (``Phases``), in 512-byte blocks so that the
+#: allocator's rounding keeps them apart: the trace then says in which phase its peak lies.
+MARKER_BLOCKS = {"step": 1009, "forward": 1013, "backward": 1019, "update": 1021}
+MARKER_SIZES = {512 * blocks: phase for phase, blocks in MARKER_BLOCKS.items()}
+
+
+def peak_index(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """The peak of bytes requested in a CUDA allocator trace and the index of the event that reached it."""
+    alive = peak = at = 0
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            alive += event["size"]
+            if alive > peak:
+                peak, at = alive, i
+        elif event["action"] == "free_requested":
+            alive -= event["size"]
+    return peak, at
+
+
 def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, list[tuple[str, int]], int]:
     """The peak of bytes requested in a CUDA allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
     recorded from before the first allocation) and the tensors alive at it, grouped by the innermost Python frame
@@ -107,16 +127,18 @@ def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, lis
     allocator rounds to its blocks (512 B, and up to 1 MiB that a large block keeps unsplit), so the peak is a little
     under ``max_memory_allocated``. A checkpointed block's recompute shows its model's lines; what autograd allocates
     on its CUDA worker thread (gradients) has no Python frame."""
-    alive = peak = at = 0
-    for i, event in enumerate(events):
-        if event["action"] == "alloc":
-            alive += event["size"]
-            if alive > peak:
-                peak, at = alive, i
-        elif event["action"] == "free_requested":
-            alive -= event["size"]
+    peak, at_peak, unmatched = _alive_at_peak(events)
+    by_site: dict[str, int] = {}
+    for event in at_peak:
+        site = _site(event.get("frames") or [])
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    return peak, sorted(by_site.items(), key=lambda item: -item[1])[:top], unmatched
+
+
+def _alive_at_peak(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]], int]:
+    peak, at = peak_index(events)
     live: dict[int, dict[str, Any]] = {}
-    at_peak: dict[int, dict[str, Any]] = {}
+    at_peak: list[dict[str, Any]] = []
     unmatched = 0
     for i, event in enumerate(events):
         if event["action"] == "alloc":
@@ -124,12 +146,36 @@ def peak_sites(events: list[dict[str, Any]], *, top: int = 12) -> tuple[int, lis
         elif event["action"] == "free_requested":
             unmatched += live.pop(event["addr"], None) is None
         if i == at:
-            at_peak = dict(live)
-    by_site: dict[str, int] = {}
-    for event in at_peak.values():
-        site = _site(event.get("frames") or [])
-        by_site[site] = by_site.get(site, 0) + event["size"]
-    return peak, sorted(by_site.items(), key=lambda item: -item[1])[:top], unmatched
+            at_peak = list(live.values())
+    return peak, at_peak, unmatched
+
+
+def peak_phase(events: list[dict[str, Any]]) -> str:
+    """Where in the fit the trace's peak lies, from the markers ``Phases`` allocated: "step 3, backward of
+    micro-batch 2" ("before the first marker" where none precedes it)."""
+    _, at = peak_index(events)
+    step = micro = 0
+    phase = ""
+    for event in events[:at + 1]:
+        name = MARKER_SIZES.get(event["size"]) if event["action"] == "alloc" else None
+        if name == "step":
+            step, micro, phase = step + 1, 0, "start"
+        elif name == "forward":
+            micro, phase = micro + 1, "forward"
+        elif name is not None:
+            phase = name
+    if not phase:
+        return "before the first marker"
+    return f"step {step}, {phase}" + (f" of micro-batch {micro}" if phase in ("forward", "backward") else "")
+
+
+def sizes_at_peak(events: list[dict[str, Any]], *, top: int = 8) -> list[tuple[int, int]]:
+    """The tensors alive at the trace's peak grouped by size (``(size, count)``), the largest total first: a trace
+    without stacks still says what is alive (parameter-sized copies, one block's activations)."""
+    counts: dict[int, int] = {}
+    for event in _alive_at_peak(events)[1]:
+        counts[event["size"]] = counts.get(event["size"], 0) + 1
+    return sorted(counts.items(), key=lambda item: -item[0] * item[1])[:top]
 
 
 def _site(frames: list[dict[str, Any]]) -> str:
@@ -142,17 +188,62 @@ def _site(frames: list[dict[str, Any]]) -> str:
 
 def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
     """CUDA: the plan fitted in this process for 3 steps as a trial runs it (ElasticBatchSize at the plan's micro-batch,
-    ApplyPlan) under the allocator's memory history: the peak of bytes requested and what is alive at it
-    (:func:`peak_sites`), beside the largest step's ``max_memory_allocated`` (ElasticBatchSize resets it each step)."""
+    ApplyPlan) under the allocator's memory history: the peak of bytes requested, the phase it lies in
+    (:func:`peak_phase`), what is alive at it by the line that allocated it (:func:`peak_sites`) and by size
+    (:func:`sizes_at_peak`), beside the largest step's ``max_memory_allocated`` (ElasticBatchSize resets it each step).
+
+    With Python stacks first; where that recording fails (on an H200 with torch 2.11 it made the backward of a
+    checkpointed step fail: ``SystemError: run_backward returned NULL``), fitted again without stacks: the phase and the
+    sizes are still there."""
+    failures: list[str] = []
+    for stacks in (True, False):
+        try:
+            events, peaks = _traced_fit(target, fields, stacks=stacks)
+        except Exception as err:  # noqa: BLE001 - the next way of recording, or the reason in the report
+            failures.append(f"{'with' if stacks else 'without'} stacks: {type(err).__name__}: {err}")
+            continue
+        peak, sites, unmatched = peak_sites(events, top=top)
+        return {"fields": fields, "stacks": stacks, "failures": failures, "peak_requested_bytes": peak,
+                "max_memory_allocated": max(peaks, default=0), "phase": peak_phase(events),
+                "sites": sites if stacks else [], "sizes": sizes_at_peak(events), "frees_without_alloc": unmatched,
+                "trace_full": len(events) >= TRACE_ENTRIES}
+    raise RuntimeError("; ".join(failures))
+
+
+#: Allocator events the "where" fit keeps (a ring buffer: more and the oldest are lost).
+TRACE_ENTRIES = 4_000_000
+
+
+def _traced_fit(target: str, fields: dict[str, Any], *, stacks: bool) -> tuple[list[dict[str, Any]], list[int]]:
+    """The plan fitted for 3 steps under the allocator's memory history: its events and each step's peak allocated."""
     import lightning as L
     import torch
 
     import autotune
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
-    class StepPeaks(L.Callback):
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def mark(phase: str) -> None:
+        torch.empty(512 * MARKER_BLOCKS[phase], dtype=torch.uint8, device=device)  # allocated, freed at once
+
+    class Phases(L.Callback):
+        """Each step's peak allocated, and a marker at each phase of a step (see ``MARKER_BLOCKS``)."""
+
         def __init__(self) -> None:
             self.peaks: list[int] = []
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            module.register_forward_pre_hook(lambda *args: mark("forward"))
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            mark("step")
+
+        def on_before_backward(self, *args: Any) -> None:
+            mark("backward")
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            mark("update")
 
         def on_train_batch_end(self, *args: Any) -> None:
             self.peaks.append(torch.cuda.max_memory_allocated())
@@ -162,23 +253,23 @@ def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -
     micro = plan.micro_batch_size or loaded.batch_size()
     kwargs = plan.trainer_kwargs()
     kwargs.pop("devices", None)
-    steps = StepPeaks()
+    phases = Phases()
     trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[
                             ElasticBatchSize(micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
-                            ApplyPlan(**plan.apply_kwargs()), steps], **kwargs)
-    entries = 4_000_000
-    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+                            ApplyPlan(**plan.apply_kwargs()), phases], **kwargs)
+    torch.cuda.empty_cache()
+    if stacks:
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, context=None)
     try:
         trainer.fit(loaded.model, datamodule=loaded.datamodule)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    events = snapshot["device_traces"][torch.cuda.current_device()]
-    peak, sites, unmatched = peak_sites(events, top=top)
-    return {"fields": fields, "peak_requested_bytes": peak, "max_memory_allocated": max(steps.peaks, default=0),
-            "sites": sites, "frees_without_alloc": unmatched, "trace_full": len(events) >= entries}
+    return snapshot["device_traces"][device.index], phases.peaks
 
 
 def error(row: dict[str, Any]) -> str:
@@ -237,12 +328,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             partial = (" (partial: the trace has frees without their allocation)"
                        if where["frees_without_alloc"] or where["trace_full"] else "")
-            print(f"\nwhere the peak goes ({label}, fitted in this process, 3 steps): tensors alive at the peak of "
-                  f"bytes requested, {where['peak_requested_bytes'] / 2**30:.2f} GiB (the largest step's "
-                  f"max_memory_allocated {where['max_memory_allocated'] / 2**30:.2f} GiB){partial}, by the innermost "
-                  f"Python frame outside torch:")
+            print(f"\nwhere the peak goes ({label}, fitted in this process, 3 steps"
+                  f"{'' if where['stacks'] else ', recorded without stacks'}): the peak of bytes requested, "
+                  f"{where['peak_requested_bytes'] / 2**30:.2f} GiB (the largest step's max_memory_allocated "
+                  f"{where['max_memory_allocated'] / 2**30:.2f} GiB){partial}, lies in {where['phase']}")
+            for failure in where["failures"]:
+                print(f"  (recording {failure})")
+            if where["sites"]:
+                print("  alive at it by the innermost Python frame outside torch:")
             for site, size in where["sites"]:
                 print(f"  {size / 2**30:7.3f} GiB  {site}")
+            print("  alive at it by size: " + ", ".join(f"{count} x {size / 2**20:.1f} MiB"
+                                                     for size, count in where["sizes"]))
         write_json(args.json, {"machine": m, "target": target, "rows": rows, "where": where})
     for r in rows:
         if r["note"]:

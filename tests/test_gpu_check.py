@@ -174,11 +174,18 @@ def test_dynamic_paddings_memory_rule_end_to_end_with_the_allocator_played_on_th
     memory = dp.RealMemory("cpu")
     assert memory.cap == int(dp.MEMORY_ROOM * 300 * 2**20) and cap["fraction"] == 1.0  # set only while probing
     assert [memory.largest[n] for n in (16, 32, 64, 128)] == [32, 21, 10, 5]  # 700 // length, at most 32
-    (shape,) = [r for r in dp.measure(rules=["memory"], steps=20, seeds=[0], device="cpu", memory=memory)
-                if r["policy"] == "shape"]
+    rows = dp.measure(rules=["memory"], steps=20, seeds=[0], device="cpu", memory=memory)
+    (shape,) = [r for r in rows if r["policy"] == "shape"]
     assert shape["ooms"] >= 1 and shape["every_sample_once"] and shape["global_step"] == 20
     assert shape["micro_batches"] >= shape["fewest"] > 20  # the long batches need several micro-batches
     assert shape["max_weight_diff"] < 1e-9 and cap["fraction"] == 1.0
+    # each step's split beside the probe's, for the report's lines on what bound the splits beyond the fewest
+    assert len(shape["trace"]) == 20
+    over = sum(t["count"] > dp.fewest("memory", t["length"], memory) for t in shape["trace"])
+    assert sum(t["count"] for t in shape["trace"]) == shape["micro_batches"]
+    text = dp.report(rows, dp.machine("cpu"), memory)
+    assert f"split beyond the fewest: {over} of 20 steps (shape)" in text
+    assert "split beyond the fewest: " in text.split("(shape)")[1]  # the fixed policy's line too
 
 
 def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it(
@@ -209,6 +216,37 @@ def test_the_peak_is_taken_apart_by_the_lines_that_allocated_what_is_alive_at_it
     # a free whose allocation the trace lacks (made before it, or a ring buffer that wrapped): counted, not fatal
     assert peak_sites([*events, {"action": "free_requested", "addr": 99, "size": 5, "frames": []}])[2] == 1
     assert peak_sites(events, top=1)[1] == [("(torch only)", 120)]
+
+
+def test_the_peak_is_placed_in_its_phase_by_the_markers_and_its_tensors_grouped_by_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without stacks (their recording failed on an H200) the trace still says where the peak lies, from the markers
+    allocated at each phase of a step, and what is alive at it by size."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from trial_vs_estimate import MARKER_BLOCKS, peak_phase, sizes_at_peak
+
+    def marker(phase: str) -> list[dict]:
+        size = 512 * MARKER_BLOCKS[phase]
+        return [{"action": "alloc", "addr": 1000, "size": size},
+                {"action": "free_requested", "addr": 1000, "size": size}]
+
+    def alloc(addr: int, size: int) -> dict:
+        return {"action": "alloc", "addr": addr, "size": size}
+
+    def free(addr: int, size: int) -> dict:
+        return {"action": "free_requested", "addr": addr, "size": size}
+
+    mib = 2**20
+    steps = [*marker("step"), *marker("forward"), alloc(1, 100 * mib), *marker("backward"), free(1, 100 * mib),
+             *marker("forward"), alloc(2, 100 * mib), alloc(3, 100 * mib), *marker("backward"), alloc(4, 64 * mib),
+             free(2, 100 * mib), free(3, 100 * mib), free(4, 64 * mib), *marker("update"), alloc(5, 50 * mib),
+             free(5, 50 * mib)]
+    assert peak_phase(steps) == "step 1, backward of micro-batch 2"
+    assert sizes_at_peak(steps) == [(100 * mib, 2), (64 * mib, 1)]
+    # a larger update in the second step: the peak moves there
+    second = [*steps, *marker("step"), *marker("forward"), alloc(6, 10 * mib), *marker("update"), alloc(7, 300 * mib)]
+    assert peak_phase(second) == "step 2, update"
+    assert peak_phase([alloc(1, 10)]) == "before the first marker"
 
 
 def test_the_overhead_benchmark_profiles_both_runs_and_names_what_waits_for_the_device(
