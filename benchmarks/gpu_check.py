@@ -28,7 +28,8 @@ traceback: ``-rA`` output and a junit XML). Steps:
    the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a CPU the
    layout tests only).
 
-``--only`` names steps to run (an unknown name is refused, with the steps' names).
+``--only`` names steps to run (an unknown name is refused, with the steps' names); ``--suite-paths`` limits the
+whole-suite step to some test files (the rest of a suite an earlier run cut at its limit).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class Step:
     output: str = ""  # where the whole output is
 
 
-def steps(device: str, quick: bool, out: Path) -> list[Step]:
+def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = None) -> list[Step]:
     """The check's steps for ``device`` (``--quick``: small versions; on a CPU the slow benchmarks show their options
-    only)."""
+    only); ``suite_paths``: the test files or folders the whole-suite step runs (default: all)."""
     python, cuda = sys.executable, device == "cuda"
     cpu_quick = quick and not cuda
 
@@ -76,7 +77,7 @@ def steps(device: str, quick: bool, out: Path) -> list[Step]:
 
     # the suite less the gpu tests (step 1 ran them): on a CPU in quick mode the layout tests only; in parallel where
     # pytest-xdist is installed (a lent GPU machine's cores: the suite takes 15 minutes on 2)
-    suite = ["tests/test_layout.py"] if cpu_quick else []
+    suite = list(suite_paths) if suite_paths else ["tests/test_layout.py"] if cpu_quick else []
     if not cpu_quick and importlib.util.find_spec("xdist") is not None:
         suite += ["-n", str(max(2, min(8, (os.cpu_count() or 2) // 2)))]
     search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "2") if cpu_quick
@@ -196,11 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small versions of every step")
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_check", help="report folder (default gpu_check/)")
     parser.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only these steps (by name)")
+    parser.add_argument("--suite-paths", nargs="+", default=None, metavar="PATH",
+                        help="the test files or folders the whole-suite step runs (default: all): the rest of a suite "
+                             "that an earlier run cut at its limit")
     parser.add_argument("--minutes", type=float, default=25.0,
                         help="start no step once this many minutes are spent; each step ends by then (default 25)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # `timeout`: stop the step as well
-    every = steps(args.device, args.quick, args.out)
+    missing = [path for path in args.suite_paths or () if not (ROOT / path).exists()]
+    if missing:
+        print(f"gpu_check: --suite-paths {missing[0]!r} is not a test file or folder of {ROOT}", file=sys.stderr)
+        return 2
+    every = steps(args.device, args.quick, args.out, args.suite_paths)
     unknown = [name for name in args.only or () if name not in {s.name for s in every}]
     if unknown:
         print(f"gpu_check: --only {unknown[0]!r} is not a step; the steps: "

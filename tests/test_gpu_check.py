@@ -47,6 +47,14 @@ def test_gpu_check_refuses_an_unknown_step_in_one_line(tmp_path: Path) -> None:
     assert proc.stderr.count("\n") == 1 and "'whole suite with CUDA visible'" in proc.stderr
 
 
+def test_gpu_check_refuses_a_suite_path_that_is_not_there_in_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--out",
+                           str(tmp_path), "--suite-paths", "tests/test_layout.py", "tests/test_serch.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+    assert proc.stderr == f"gpu_check: --suite-paths 'tests/test_serch.py' is not a test file or folder of {ROOT}\n"
+
+
 def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_where_xdist_is(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
@@ -54,18 +62,22 @@ def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_wher
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import steps
 
-    def suite(device: str, quick: bool, xdist: bool) -> list[str]:
+    def suite(device: str, quick: bool, xdist: bool, paths: list[str] | None = None) -> list[str]:
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",  # installed or not, whatever this machine has
                             lambda name, *a: (object() if xdist else None) if name == "xdist" else real(name, *a))
         monkeypatch.setattr("os.cpu_count", lambda: 16)
-        command = next(s.command for s in steps(device, quick, ROOT) if s.name == "whole suite with CUDA visible")
+        command = next(s.command for s in steps(device, quick, ROOT, paths)
+                       if s.name == "whole suite with CUDA visible")
         return command[command.index("-q"):]
 
     assert suite("cuda", False, True) == ["-q", "-m", "not gpu", "-n", "8"]
     assert suite("cuda", True, True) == ["-q", "-m", "not gpu and not slow", "-n", "8"]  # quick: no slow tests
     assert suite("cuda", False, False) == ["-q", "-m", "not gpu"]
     assert suite("cpu", True, True) == ["-q", "-m", "not gpu and not slow", "tests/test_layout.py"]
+    # the rest of a suite an earlier run cut: only those files
+    assert suite("cuda", True, True, ["tests/test_search.py", "tests/test_plan.py"]) == [
+        "-q", "-m", "not gpu and not slow", "tests/test_search.py", "tests/test_plan.py", "-n", "8"]
 
 
 def test_a_step_cut_at_its_limit_keeps_pytests_summary_and_junit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
