@@ -175,9 +175,9 @@ def report(results: dict[str, Any]) -> str:
         f"{s['repeats']} interleaved repeats"
         + (f"; DDP: 2 {results['ddp_accelerator']} processes, {s['ddp_steps']} steps ({s['ddp_warmup']} warm-up), "
            f"{s['ddp_repeats']} repeats" if "ddp" in results else ""),
-        "ms/step: median over all timed steps of all repeats; ratio: over the baseline's median, with the range of "
-        "per-repeat ratios; CPU: the process's CPU time per step (on CPU only), which other processes on the machine "
-        "barely change.",
+        "ms/step: median over all timed steps of all repeats; ratio: the median over repeats of each repeat's median "
+        "over the baseline's in that repeat, with their range; CPU: the process's CPU time per step (on CPU only), "
+        "which other processes on the machine barely change.",
         "",
         markdown_table(HEADER, table_rows(results)),
         "",

@@ -274,3 +274,20 @@ def test_the_overhead_benchmark_profiles_both_runs_and_names_what_waits_for_the_
     assert all(row["elastic_calls"] > 0 for row in found["grew"])  # each a name the callback's run has
     grew = [row["elastic_ms"] - row["plain_ms"] for row in found["grew"]]
     assert grew == sorted(grew, reverse=True)
+
+
+def test_the_overhead_ratio_compares_runs_of_one_repeat_not_pooled_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the H200 the host alternated between 5.2 and 7.0 ms steps from one repeat to the next: the callback was
+    slower in every repeat, yet the pooled medians put it at 0.871x. The ratio is the median of per-repeat ratios."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from elastic_overhead import summarize
+
+    def repeats(*medians: float) -> dict[str, list[list[float]]]:
+        steps = [[m / 1e3] * 9 for m in medians]  # 9 timed steps per repeat (1 warm-up)
+        return {"wall": steps, "cpu": steps}
+
+    runs = {"plain": repeats(7.10, 5.32, 6.96, 5.18), "elastic": repeats(7.40, 5.49, 6.97, 5.48)}
+    wall = summarize(runs, 1, "plain")["elastic"]["wall"]
+    assert wall["ratio"] == pytest.approx((5.49 / 5.32 + 7.40 / 7.10) / 2)  # the middle two of four per-repeat ratios
+    assert (round(wall["ratio_min"], 3), round(wall["ratio_max"], 3)) == (1.001, 1.058)
+    assert wall["ratio"] > 1.01 and summarize(runs, 1, "plain")["plain"]["wall"]["ratio"] == 1.0
