@@ -189,6 +189,13 @@ MUTATIONS = (
              "counters may not see is not replayed", "autotune/_runtime/state.py",
              "    if not _counts_its_changes(optimizer):\n", "    if False:\n",
              (STATE + "test_an_update_oom_of_an_optimizer_whose_changes_cannot_be_seen_is_not_replayed",)),
+    Mutation("measured-bytes-rule-out-costs", "bytes measured at several lengths rule out the costs they contradict",
+             "autotune/_runtime/shapes.py", "            if len({p.s for p in measured}) >= 2 and bounds:\n",
+             "            if False:\n",
+             ("tests/callbacks/test_elastic_shapes.py::"
+              "test_bytes_measured_at_several_lengths_rule_out_the_costs_they_contradict",
+              "tests/callbacks/test_elastic_shapes.py::"
+              "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches")),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
              (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),

@@ -17,7 +17,9 @@ still be in:
 - an out-of-memory error (or a step over a soft budget) says ``C < m * g(s)`` (the *fails* frontier);
 - where a byte limit is known and peaks are measured (CUDA: the allocator's peak after a reset, no synchronisation;
   CPU with a budget: the budget's own meter), the bytes a unit of load took cap ``C`` at the limit's headroom, and a
-  micro-batch under that cap (and under ``growth`` times what ran) is taken to fit.
+  micro-batch under that cap (and under ``growth`` times what ran) is taken to fit; where bytes were measured at two
+  sample sizes or more, a ``w`` whose bytes per unit of load vary over them much more than the best ``w``'s is ruled
+  out (``_PLAUSIBLE_SPREAD``): bytes that grew with the tokens contradict a cost in the length squared.
 
 A ``w`` whose interval is empty is ruled out. Until both sides are seen the model is conservative: ``C`` is never
 taken above ``growth`` times the largest load seen to work (the factor the doubling of fixed-shape runs uses), for
@@ -55,6 +57,9 @@ _CANDIDATES = tuple(
 )
 #: Frontier points kept on each side (the oldest go first).
 _MAX_POINTS = 64
+#: Where bytes were measured at several sample sizes: how much more than the best ``w``'s a ``w``'s bytes per unit of
+#: load may vary over them and still be possible (the grid is coarse, and a step holds parts that do not grow with it).
+_PLAUSIBLE_SPREAD = 1.25
 
 
 @dataclass
@@ -166,20 +171,28 @@ class ShapeModel:
         return p.loads
 
     def _compute_bounds(self) -> list[tuple[int, float, float, float]]:
-        """For each ``w`` still possible: (its index, lowest C, highest C, byte cap on C)."""
+        """For each ``w`` still possible: (its index, lowest C, highest C, byte cap on C). Where bytes were measured
+        at two sample sizes or more, a ``w`` is possible only if its bytes per unit of load vary over them at most
+        ``_PLAUSIBLE_SPREAD`` times as much as the best ``w``'s (a cost in the length squared cannot explain
+        bytes that grew with the tokens)."""
         while True:
             count = len(_CANDIDATES)
             los = [max(c) for c in zip(*(self._loads(p) for p in self.fits))] if self.fits else [0.0] * count
             his = [min(c) for c in zip(*(self._loads(p) for p in self.fails))] if self.fails else [math.inf] * count
             measured = [p for p in self.fits if p.act_bytes] if self.limit_bytes is not None else []
             room = max(0, (self.limit_bytes or 0) - self.static_bytes)
-            bounds = []
+            bounds, spreads = [], []
             for i in range(count):
                 lo, hi = los[i], his[i]
                 if lo >= hi:
                     continue
-                per_unit = max((p.act_bytes / self._loads(p)[i] for p in measured), default=0.0)
+                ratios = [p.act_bytes / self._loads(p)[i] for p in measured]
+                per_unit = max(ratios, default=0.0)
                 bounds.append((i, lo, hi, room / per_unit if per_unit > 0 else math.inf))
+                spreads.append(per_unit / min(ratios) if ratios else 1.0)
+            if len({p.s for p in measured}) >= 2 and bounds:
+                best = min(spreads)
+                bounds = [b for b, spread in zip(bounds, spreads) if spread <= best * _PLAUSIBLE_SPREAD]
             if bounds or not (self.fits and self.fails):
                 return bounds
             # Nothing agrees with all of it (noise, pressure that came and went): forget the oldest point.
