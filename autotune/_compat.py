@@ -342,19 +342,18 @@ def set_current_hook_name(module: Any, name: str | None) -> None:
     module._current_fx_name = name
 
 
-def closure_result(closure: Any) -> Any:
-    """What Lightning's automatic-optimization closure returned last (``Closure._result``, a ``ClosureResult``;
-    None when it has none). If it went away, the step's reported loss would be the last micro-batch's."""
-    return getattr(closure, "_result", None)
-
-
-def set_closure_result(closure: Any, *, closure_loss: Any, extra: Any) -> None:
-    """Replace what Lightning's closure reports to the loop (``Closure._result`` set to a new
-    ``lightning.pytorch.loops.optimization.automatic.ClosureResult``), so the step reports the whole batch's loss.
-    If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's loss, or fail."""
+def set_closure_loss(closure: Any, total: Any) -> None:
+    """Make Lightning's automatic-optimization closure report ``total``, the whole batch's loss (the sum of the
+    weighted micro-batch losses), to the loop: ``Closure._result`` (a ``ClosureResult``) is replaced by a new
+    ``lightning.pytorch.loops.optimization.automatic.ClosureResult`` with the same ``extra``; nothing where the closure
+    has no result or ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show
+    one micro-batch's loss, or fail."""
     from lightning.pytorch.loops.optimization.automatic import ClosureResult
 
-    closure._result = ClosureResult(closure_loss=closure_loss, extra=extra)
+    result = getattr(closure, "_result", None)
+    if result is None or total is None or not hasattr(result, "closure_loss"):
+        return
+    closure._result = ClosureResult(closure_loss=total.detach(), extra=result.extra)
 
 
 def set_trainer_reference(model: Any, trainer: Any) -> None:

@@ -195,7 +195,12 @@ MUTATIONS = (
              ("tests/callbacks/test_elastic_shapes.py::"
               "test_bytes_measured_at_several_lengths_rule_out_the_costs_they_contradict",
               "tests/callbacks/test_elastic_shapes.py::"
-              "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches")),
+              "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[161]")),
+    Mutation("shape-model-learns-before-the-update", "the shape model learns what grows with the micro-batch, not "
+             "the update's peak", "autotune/_runtime/microbatch.py",
+             "            if self._measure and self._byte_limit() is not None:\n", "            if False:\n",
+             ("tests/callbacks/test_elastic_shapes.py::"
+              "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
              (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from autotune._compat import closure_result, forget_scaler_steps, set_closure_result
+from autotune._compat import forget_scaler_steps, set_closure_loss
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.drain import CollectiveDrain
 from autotune._runtime.evaluation import EvalSteps
@@ -114,6 +114,7 @@ class ElasticEngine(EvalSteps):
         #: whose worst-rank peak the next step's one agreement brings (no second collective per step).
         self._unsettled: tuple[int, float, int, int] | None = None
         self._measure = True  # whether this step reads the peak (see start_batch)
+        self._closure_load: int | None = None  # the tensors' peak before the update, where a byte limit is known
         self._warned_floor = False
         self._metrics: tuple[list[torch.nn.Module], Any] | None = None
 
@@ -168,6 +169,7 @@ class ElasticEngine(EvalSteps):
             self.sizes = self._split(n, replayed)
             micro = self.sizes[0]
             self.phase = "closure"
+            self._closure_load = None
             self.logs.start()
             failed_in = ""
             try:
@@ -321,9 +323,13 @@ class ElasticEngine(EvalSteps):
                 params = list(module.parameters())
                 self._vote(params, failure, level)
                 self.agree.average_gradients(params, self._used)
+            if self._measure and self._byte_limit() is not None:
+                # What grows with the micro-batch peaks before the update (whose temporaries do not grow with it:
+                # a parameter-sized set for a foreach AdamW). No reset: a per-step reading of the peak stays the step's.
+                self._closure_load = self.meter.peaks()[1]
             self._prepare_update(optimizer)
             self.phase, self.logs.n = "update", None  # the update's hooks log for the whole step, not a part
-            _set_closure_loss(closure, total)
+            set_closure_loss(closure, total)
             return total
 
         return run_micro_batches
@@ -373,18 +379,19 @@ class ElasticEngine(EvalSteps):
         self.clean_steps += int(clean)  # a replayed step is not a clean one
         soft = self.budget_bytes is not None and not self.hard_budget
         shapes = self.shapes
-        if self._measure:  # a host without a budget has no limit that raises: no byte cap there
-            limit = self.limit_bytes if self.hard_budget or self.budget_bytes is not None else None
+        # What grows with the micro-batch: the tensors' peak before the update where it was read, else the step's.
+        grows = load if self._closure_load is None else self._closure_load
+        if self._measure:
+            limit = self._byte_limit()
             shapes.model.set_memory(limit_bytes=None if limit is None else int(GROW_HEADROOM * limit),
                                     static_bytes=static)
-        shapes.model.fitted(micro, shapes.size, max(0, load - static) if self._measure else 0)
+        shapes.model.fitted(micro, shapes.size, max(0, grows - static) if self._measure else 0)
         grow_due = self.grow and micro < n and self.clean_steps >= self.grow_wait and not shapes.varies
         # Several ranks, a soft budget, the same shapes everywhere: the worst rank's peak comes with the next step's
         # agreement and is checked then (one step later); a step that may grow agrees at once (growth needs it now).
         deferred = soft and not grow_due and self.agree.enabled and not shapes.agreed
         if (soft or grow_due) and not shapes.agreed and not deferred:  # decisions every rank takes alike: the worst
-            peak_f, load_f, static_f = self.agree.max(float(peak), float(load), float(static))  # rank's figures
-            peak, load, static = int(peak_f), int(load_f), int(static_f)
+            peak, load, static, grows = (int(x) for x in self.agree.max(peak, load, static, grows))  # worst rank's
         if self._measure:
             self.last_peak_bytes = peak
         if deferred:
@@ -396,7 +403,7 @@ class ElasticEngine(EvalSteps):
             return
         self.clean_steps = 0
         target = min(n, micro * 2)
-        projected = static + (load - static) * target / micro
+        projected = max(static + (grows - static) * target / micro, load if load > grows else 0)
         if self.limit_bytes is None or projected <= GROW_HEADROOM * self.limit_bytes:
             _info(f"autotune: growing the micro-batch {micro} -> {target} "
                   f"(projected peak {format_bytes(int(projected))})")
@@ -404,6 +411,10 @@ class ElasticEngine(EvalSteps):
             self.micro_batch_size = target
         else:
             log.debug("autotune: not growing %d -> %d: projected peak %s", micro, target, format_bytes(int(projected)))
+
+    def _byte_limit(self) -> int | None:
+        """The bytes a step may not pass where one is known (CUDA's; on a host, a budget's)."""
+        return self.limit_bytes if self.hard_budget or self.budget_bytes is not None else None
 
     def _over_budget(self, micro: int, size: float, peak: int, global_step: int, n: int) -> bool:
         """A soft budget's check of a step's peak (the worst rank's under several ranks): over it, the micro-batch
@@ -487,10 +498,3 @@ class ElasticEngine(EvalSteps):
         self.eval_micro_batch_size = dict(state.get("eval_micro_batch_size", {}))
         self.shapes.model.load_state_dict(state.get("shape_model", {}))
 
-
-def _set_closure_loss(closure: Any, total: Any) -> None:
-    """Make Lightning's closure report the whole batch's loss (the sum of the weighted micro-batch losses)."""
-    result = closure_result(closure)
-    if result is None or total is None or not hasattr(result, "closure_loss"):
-        return
-    set_closure_result(closure, closure_loss=total.detach(), extra=result.extra)
