@@ -16,8 +16,9 @@ still be in:
 - a micro-batch that ran (``m`` samples of size ``s``) says ``C >= m * g(s)`` (the *fits* frontier);
 - an out-of-memory error (or a step over a soft budget) says ``C < m * g(s)`` (the *fails* frontier);
 - where a byte limit is known and peaks are measured (CUDA: the allocator's peak after a reset, no synchronisation,
-  read before the update, whose temporaries do not grow with the batch; CPU with a budget: the budget's own meter), the bytes a unit of load took cap ``C`` at the limit's headroom, and a
-  micro-batch under that cap (and under ``growth`` times what ran) is taken to fit; where bytes were measured at two
+  read before the update, whose temporaries do not grow with the batch; CPU with a budget: the budget's own meter),
+  the bytes a unit of load took cap ``C`` at the limit's headroom, and a micro-batch under that cap (and under
+  ``growth`` times what ran) is taken to fit; where bytes were measured at two
   sample sizes or more, a ``w`` whose bytes per unit of load vary over them much more than the best ``w``'s is ruled
   out (``_PLAUSIBLE_SPREAD``): bytes that grew with the tokens contradict a cost in the length squared.
 
