@@ -16,14 +16,16 @@ traceback: ``-rA`` output and a junit XML). Steps:
 3. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
    CPU: its options only, a run takes minutes).
 4. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
-   under an allocator cap; ``--quick``: the tokens rule, and real memory on a GPU).
+   under an allocator cap; ``--quick``: on a GPU real memory only, over the 240 steps and 3 seeds its goal is stated
+   for (in 60 steps the first long batches' learning was half the excess), on a CPU the tokens rule in 60 steps).
 5. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
    ``gpt_350m`` built up one feature at a time, each trial's tensors' peak, reserve and context beside the estimate;
    ``--quick`` on a CPU: one plan of the small GPT example).
 6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
    16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
 7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
-   ``--quick`` on a CPU: its options only).
+   ``--quick``: the GPT example only, which ended within the 325 s an H200 run gave the step while the test
+   suite's hungry target did not; on a CPU its options only).
 8. the whole suite with CUDA visible, less the gpu tests (step 1), last since it is the longest: in parallel on half
    the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a CPU the
    layout tests only).
@@ -66,6 +68,24 @@ class Step:
     output: str = ""  # where the whole output is
 
 
+#: What the steps import: checked before any step runs, so that a machine without them (a fresh one, where an earlier
+#: call's install is gone) costs one line, not a suite of import errors (it cost an H200 run 4.5 minutes).
+NEEDED = ("autotune.callbacks", "autotune.search_spaces", "optuna", "jsonargparse", "pytest", "torchao")
+
+
+def missing_modules(names: tuple[str, ...] = NEEDED) -> list[str]:
+    """Those of ``names`` that cannot be imported here."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package that is not there
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = None) -> list[Step]:
     """The check's steps for ``device`` (``--quick``: small versions; on a CPU the slow benchmarks show their options
     only); ``suite_paths``: the test files or folders the whole-suite step runs (default: all)."""
@@ -91,19 +111,23 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
                                     *(["--quick", "--models", "mlp"] if quick else []),
                                     "--json", str(out / "estimator_accuracy.json")], 900),
         Step("elastic overhead and one real OOM", [python, "benchmarks/elastic_overhead.py", "--device", device,
-                                                   *(["--help"] if cpu_quick else ["--quick"] if quick else []),
+                                                   *(["--help"] if cpu_quick else ["--quick", "--cases", "gpt"] if quick
+                                            else []),
                                                    *([] if cpu_quick else ["--json", str(out / "overhead.json")])],
              900),
         Step("dynamic padding", [python, "benchmarks/dynamic_padding.py", "--device", device,
-                                 *(["--quick", "--rule", "tokens", *(["--rule", "memory"] if cuda else [])]
-                                   if quick else []),
+                                 # --quick on a GPU: real memory only, at its goal's length (240 steps, seeds
+                                 # 0-2: about 2 minutes), the simulated rules being the CPU's to check
+                                 *((["--rule", "memory"] if cuda else ["--quick", "--rule", "tokens"]) if quick
+                                   else []),
                                  "--json", str(out / "dynamic_padding.json")], 900),
         Step("trial against estimate", [python, "benchmarks/trial_vs_estimate.py", "--device", device,
                                         *(["--quick"] if quick else []),
                                         "--json", str(out / "trial_vs_estimate.json")], 900),
         Step("realistic search", search, 1500),
         Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,
-                                          *(["--help"] if cpu_quick else ["--quick"] if quick else []),
+                                          *(["--help"] if cpu_quick else ["--quick", "--cases", "gpt"] if quick
+                                            else []),
                                           *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
              1500),
         # --quick leaves out the slow tests too (99 multi-process and search runs: 12 of CI's 15 minutes)
@@ -207,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = [path for path in args.suite_paths or () if not (ROOT / path).exists()]
     if missing:
         print(f"gpu_check: --suite-paths {missing[0]!r} is not a test file or folder of {ROOT}", file=sys.stderr)
+        return 2
+    absent = missing_modules()
+    if absent:
+        print(f"gpu_check: cannot import {', '.join(absent)}: install the package and its test dependencies first "
+              "(pip install -e '.[test]'; on a machine without network, from carried wheels)", file=sys.stderr)
         return 2
     every = steps(args.device, args.quick, args.out, args.suite_paths)
     unknown = [name for name in args.only or () if name not in {s.name for s in every}]

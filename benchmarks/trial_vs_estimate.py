@@ -17,9 +17,13 @@ context and what earlier trials of the plan's shape measured beyond their tensor
 The plans (CUDA, on ``benchmarks/gpu_targets.py:gpt_350m``, 310M parameters, context 1024): bf16-mixed at
 micro-batch 16 with full checkpointing (eager), then with optimizer offload, then also compiled with
 ``compile_memory_budget`` 0 (the realistic search's best plan), then eager with float8 (``--quick``: the first
-three). On CUDA the first plan is then fitted once more in this process under the allocator's memory history, and
-what is alive at its peak is listed by the Python line that allocated it and by size, and the peak placed in its
-phase of a step (``where`` in the JSON; without stacks where recording them fails). On CPU, on the
+three). On CUDA the first plan is then fitted again as its trial ran (a fresh process, the trial's callbacks, its
+number of steps, and the FLOPs of step 0's first micro-batch counted under ``FlopCounterMode`` as the trial's meter
+counts them) under the allocator's memory history: what is alive at its peak is listed by the Python line that
+allocated it and by size, and the peak placed in its phase of a step (``where`` in the JSON; without stacks where
+recording them fails), and once more without the FLOP count, untraced: each step's peak of both fits says whether the
+trial's own measuring adds to its peak (on the H200 a fit in the benchmark's process peaked at the estimate, 7.57 GiB,
+and the trial at 11.20). On CPU, on the
 example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
 (``--quick``: the first only, a check of the plumbing).
 
@@ -44,6 +48,7 @@ from _common import (  # noqa: E402
     add_device,
     add_json,
     first_batch,
+    in_fresh_process,
     machine,
     machine_line,
     make_parser,
@@ -92,8 +97,10 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
     else:
         note = "; ".join(n for n in found.notes if "not traced" in n)
     return {"plan": label, "fields": fields, "status": result.status, "reason": result.reason,
-            "predicted_bytes": predicted, "peak_bytes": result.peak_bytes,
+            "steps": result.warmup_steps + result.steps_timed, "predicted_bytes": predicted,
+            "peak_bytes": result.peak_bytes,
             "allocated_peak_bytes": result.allocated_peak_bytes, "context_bytes": result.context_bytes,
+            "peak_noise_bytes": result.peak_noise_bytes,
             "samples_per_second": result.samples_per_second, "note": note}
 
 
@@ -186,11 +193,13 @@ def _site(frames: list[dict[str, Any]]) -> str:
     return "(torch only)" if frames else "(no Python frame)"
 
 
-def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
-    """CUDA: the plan fitted in this process for 3 steps as a trial runs it (ElasticBatchSize at the plan's micro-batch,
-    ApplyPlan) under the allocator's memory history: the peak of bytes requested, the phase it lies in
-    (:func:`peak_phase`), what is alive at it by the line that allocated it (:func:`peak_sites`) and by size
-    (:func:`sizes_at_peak`), beside the largest step's ``max_memory_allocated`` (ElasticBatchSize resets it each step).
+def where_the_peak_goes(target: str, fields: dict[str, Any], *, steps: int = 3, count_flops: bool = False,
+                        top: int = 12) -> dict[str, Any]:
+    """CUDA: the plan fitted for ``steps`` steps as a trial runs it (ElasticBatchSize at the plan's micro-batch,
+    ApplyPlan; with ``count_flops`` the FLOPs of step 0's first micro-batch counted as the trial's meter counts them)
+    under the allocator's memory history: the peak of bytes requested, the phase it lies in (:func:`peak_phase`), what
+    is alive at it by the line that allocated it (:func:`peak_sites`) and by size (:func:`sizes_at_peak`), beside each
+    step's ``max_memory_allocated`` (ElasticBatchSize resets it each step).
 
     With Python stacks first; where that recording fails (on an H200 with torch 2.11 it made the backward of a
     checkpointed step fail: ``SystemError: run_backward returned NULL``), fitted again without stacks: the phase and the
@@ -198,26 +207,40 @@ def where_the_peak_goes(target: str, fields: dict[str, Any], *, top: int = 12) -
     failures: list[str] = []
     for stacks in (True, False):
         try:
-            events, peaks = _traced_fit(target, fields, stacks=stacks)
+            events, peaks = _fit(target, fields, record=stacks, steps=steps, count_flops=count_flops)
         except Exception as err:  # noqa: BLE001 - the next way of recording, or the reason in the report
             failures.append(f"{'with' if stacks else 'without'} stacks: {type(err).__name__}: {err}")
             continue
         peak, sites, unmatched = peak_sites(events, top=top)
-        return {"fields": fields, "stacks": stacks, "failures": failures, "peak_requested_bytes": peak,
-                "max_memory_allocated": max(peaks, default=0), "phase": peak_phase(events),
-                "sites": sites if stacks else [], "sizes": sizes_at_peak(events), "frees_without_alloc": unmatched,
-                "trace_full": len(events) >= TRACE_ENTRIES}
+        return {"fields": fields, "steps": steps, "count_flops": count_flops, "stacks": stacks, "failures": failures,
+                "peak_requested_bytes": peak, "max_memory_allocated": max(peaks, default=0), "step_peaks": peaks,
+                "phase": peak_phase(events), "sites": sites if stacks else [], "sizes": sizes_at_peak(events),
+                "frees_without_alloc": unmatched, "trace_full": len(events) >= TRACE_ENTRIES}
     raise RuntimeError("; ".join(failures))
+
+
+def where_worker(target: str, fields: dict[str, Any], steps: int) -> dict[str, Any]:
+    """In a fresh process (``_common.in_fresh_process``, as a trial starts): :func:`where_the_peak_goes` with the
+    trial's FLOP count, then each step's peak of the same fit without it, untraced (``untraced_step_peaks``)."""
+    found = where_the_peak_goes(target, fields, steps=steps, count_flops=True)
+    import torch
+
+    torch.cuda.empty_cache()
+    found["untraced_step_peaks"] = _fit(target, fields, record=None, steps=steps, count_flops=False)[1]
+    return found
 
 
 #: Allocator events the "where" fit keeps (a ring buffer: more and the oldest are lost).
 TRACE_ENTRIES = 4_000_000
 
 
-def _traced_fit(target: str, fields: dict[str, Any], *, stacks: bool) -> tuple[list[dict[str, Any]], list[int]]:
-    """The plan fitted for 3 steps under the allocator's memory history: its events and each step's peak allocated."""
+def _fit(target: str, fields: dict[str, Any], *, record: bool | None, steps: int,
+         count_flops: bool) -> tuple[list[dict[str, Any]], list[int]]:
+    """The plan fitted for ``steps`` steps, under the allocator's memory history (``record``: with Python stacks or
+    without; None: not recorded): its events and each step's peak allocated."""
     import lightning as L
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     import autotune
     from autotune.callbacks import ApplyPlan, ElasticBatchSize
@@ -248,28 +271,67 @@ def _traced_fit(target: str, fields: dict[str, Any], *, stacks: bool) -> tuple[l
         def on_train_batch_end(self, *args: Any) -> None:
             self.peaks.append(torch.cuda.max_memory_allocated())
 
+    class CountFlops(L.Callback):
+        """As a trial's meter: ``FlopCounterMode`` from step 0's start to its first micro-batch's backward."""
+
+        def __init__(self) -> None:
+            self.counter: Any = None
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 0 and self.counter is None:
+                self.counter = FlopCounterMode(display=False)
+                self.counter.__enter__()
+
+        def on_after_backward(self, *args: Any) -> None:
+            if self.counter is not None and self.counter.mode is not None:
+                self.counter.__exit__(None, None, None)
+
+        on_before_optimizer_step = on_after_backward
+
     plan = autotune.Plan(**fields)
     loaded = autotune.load_target(target)
     micro = plan.micro_batch_size or loaded.batch_size()
     kwargs = plan.trainer_kwargs()
     kwargs.pop("devices", None)
     phases = Phases()
-    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[
                             ElasticBatchSize(micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
-                            ApplyPlan(**plan.apply_kwargs()), phases], **kwargs)
+                            ApplyPlan(**plan.apply_kwargs()), phases, *([CountFlops()] if count_flops else [])],
+                        **kwargs)
     torch.cuda.empty_cache()
-    if stacks:
-        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, stacks="python")
-    else:
-        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, context=None)
+    if record is not None:
+        torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES,
+                                                 **({"stacks": "python"} if record else {"context": None}))
     try:
         trainer.fit(loaded.model, datamodule=loaded.datamodule)
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = torch.cuda.memory._snapshot() if record is not None else None
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    return snapshot["device_traces"][device.index], phases.peaks
+        if record is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    return (snapshot["device_traces"][device.index] if snapshot else []), phases.peaks
+
+
+def where_lines(label: str, where: dict[str, Any]) -> str:
+    """The report's lines for :func:`where_worker`'s result."""
+    gib = 2**30
+    partial = (" (partial: the trace has frees without their allocation)"
+               if where["frees_without_alloc"] or where["trace_full"] else "")
+    lines = [f"\nwhere the peak goes ({label}, fitted as its trial: a fresh process, {where['steps']} steps, step 0's "
+             f"FLOPs counted{'' if where['stacks'] else ', recorded without stacks'}): the peak of bytes requested, "
+             f"{where['peak_requested_bytes'] / gib:.2f} GiB (the largest step's max_memory_allocated "
+             f"{where['max_memory_allocated'] / gib:.2f} GiB){partial}, lies in {where['phase']}",
+             "  each step's max_memory_allocated (GiB): " + " ".join(f"{p / gib:.2f}" for p in where["step_peaks"]),
+             "  the same fit without the FLOP count, untraced (GiB): "
+             + " ".join(f"{p / gib:.2f}" for p in where.get("untraced_step_peaks", []))]
+    lines += [f"  (recording {failure})" for failure in where["failures"]]
+    if where["sites"]:
+        lines.append("  alive at it by the innermost Python frame outside torch:")
+    lines += [f"  {size / gib:7.3f} GiB  {site}" for site, size in where["sites"]]
+    lines.append("  alive at it by size: " + ", ".join(f"{count} x {size / 2**20:.1f} MiB"
+                                                   for size, count in where["sizes"]))
+    return "\n".join(lines)
 
 
 def error(row: dict[str, Any]) -> str:
@@ -321,25 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     where = None
     if args.device == "cuda" and rows:  # the first plan's peak, taken apart (a trial keeps no allocator trace)
         label, fields = plans(args.device, args.quick)[0]
+        steps = rows[0]["steps"] or 3
         try:
-            where = where_the_peak_goes(target, fields)
+            where = in_fresh_process(where_worker, target, fields, steps)
         except Exception as err:  # noqa: BLE001 - a diagnostic: the table above stands without it
             print(f"\nwhere the peak goes ({label}): failed: {type(err).__name__}: {err}")
         else:
-            partial = (" (partial: the trace has frees without their allocation)"
-                       if where["frees_without_alloc"] or where["trace_full"] else "")
-            print(f"\nwhere the peak goes ({label}, fitted in this process, 3 steps"
-                  f"{'' if where['stacks'] else ', recorded without stacks'}): the peak of bytes requested, "
-                  f"{where['peak_requested_bytes'] / 2**30:.2f} GiB (the largest step's max_memory_allocated "
-                  f"{where['max_memory_allocated'] / 2**30:.2f} GiB){partial}, lies in {where['phase']}")
-            for failure in where["failures"]:
-                print(f"  (recording {failure})")
-            if where["sites"]:
-                print("  alive at it by the innermost Python frame outside torch:")
-            for site, size in where["sites"]:
-                print(f"  {size / 2**30:7.3f} GiB  {site}")
-            print("  alive at it by size: " + ", ".join(f"{count} x {size / 2**20:.1f} MiB"
-                                                     for size, count in where["sizes"]))
+            print(where_lines(label, where))
         write_json(args.json, {"machine": m, "target": target, "rows": rows, "where": where})
     for r in rows:
         if r["note"]:

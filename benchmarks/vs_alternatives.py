@@ -83,6 +83,10 @@ class Case:
     target: str
 
 
+#: The models, in the order they run.
+CASES = (Case("gpt", GPT), Case("hungry", HUNGRY))
+
+
 # ------------------------------------------------------------------------------------------------ fresh processes
 # Each worker runs in a fresh process of ``_common.fresh_context()`` (so its memory floor is a trial's).
 
@@ -182,14 +186,28 @@ def tuned(case: Case, budget: str, device: str, trials: int, steps: int, warmup:
         result = search(target=case.target, budget=budget, trials=trials, storage=f"sqlite:///{folder / 'tuned.db'}",
                         study=f"vs-{case.name}-{budget}", out=None, seed=0, device=device, steps=steps, warmup=warmup)
     except NoFeasiblePlanError as err:
-        print(f"[{case.name}] autotune search: {err}", file=sys.stderr)
-        return {"plan": "no plan found", "fields": None, "wall_seconds": time.perf_counter() - start}
+        import optuna
+
+        study = optuna.load_study(study_name=f"vs-{case.name}-{budget}", storage=f"sqlite:///{folder / 'tuned.db'}")
+        found = trials_log(study)
+        print(f"[{case.name}] autotune search: {err}; its trials (number, plan, status, source, samples/s, peak MiB, "
+              "predicted MiB):", file=sys.stderr)
+        for number, plan, status, source, rate, peak, predicted in found:  # why nothing fit, in the report
+            print(f"[{case.name}]   trial {number}: {plan}, {status}, {source}, {rate}, "
+                  f"{peak and round(peak / 2**20, 1)}, {predicted and round(predicted / 2**20, 1)}", file=sys.stderr)
+        return {"plan": "no plan found", "fields": None, "wall_seconds": time.perf_counter() - start,
+                "trials": found}
     wall = time.perf_counter() - start
-    trials_log = [(t.number, t.user_attrs.get("plan"), t.user_attrs.get("status"), t.user_attrs.get("source"),
-                   t.user_attrs.get("samples_per_second"), t.user_attrs.get("peak_bytes"))
-                  for t in result.study.get_trials(deepcopy=False)]
     return {"plan": result.plan.describe(), "fields": plan_fields(result.plan), "wall_seconds": wall,
-            "trials": trials_log}
+            "trials": trials_log(result.study)}
+
+
+def trials_log(study: Any) -> list[tuple[Any, ...]]:
+    """Each trial of a search's study: number, plan, status, source, samples/s, peak bytes, predicted bytes."""
+    return [(t.number, t.user_attrs.get("plan"), t.user_attrs.get("status"), t.user_attrs.get("source"),
+             t.user_attrs.get("samples_per_second"), t.user_attrs.get("peak_bytes"),
+             t.user_attrs.get("predicted_peak_bytes"))
+            for t in study.get_trials(deepcopy=False)]
 
 
 def side_by_side(candidates: list[dict[str, Any]], budget: str, device: str, rounds: int) -> None:
@@ -313,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short runs (4-5 min on a shared 2-core CPU)")
     add_device(parser)
     add_threads(parser, "intra-op threads per process (default: 1 on CPU, torch's default on CUDA)")
+    parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], default=[c.name for c in CASES],
+                        help="the models to run (default: all; each case's table is printed as it ends)")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials of the autotune search (default: 6 with --quick, else 12)")
     add_json(parser)
@@ -336,11 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "quick": args.quick, "cases": []}
     with tempfile.TemporaryDirectory(prefix="autotune-vs-") as tmp:
-        for case in (Case("gpt", GPT), Case("hungry", HUNGRY)):
+        for case in (c for c in CASES if c.name in args.cases):
             folder = Path(tmp) / case.name
             folder.mkdir()
             results["cases"].append(run_case(case, args, folder))
-    results["wall_seconds"] = time.perf_counter() - start
+            results["wall_seconds"] = time.perf_counter() - start
+            if len(args.cases) > 1:  # kept if a later case is cut at a time limit
+                print(report({**results, "cases": results["cases"][-1:]}) + "\n", flush=True)
+                write_json(args.json, results)
     results["machine"]["load_average_end"] = load_average()
     print(report(results))
     write_json(args.json, results)

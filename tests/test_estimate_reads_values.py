@@ -65,7 +65,9 @@ def test_a_mixture_of_experts_with_data_dependent_routing_is_estimated(plan: Pla
 def test_both_paths_agree_where_both_trace(name: str) -> None:
     model, batch = bench.build(name)
     for plan in (Plan(micro_batch_size=8), Plan(precision="bf16-mixed", activation_checkpointing=1.0)):
-        for device in ("cpu", "cuda"):  # "cuda": what-if on this machine (no CUDA in CI), under CUDA's rules
+        # "cuda": what-if under CUDA's rules where this machine has no CUDA (CI). With CUDA the real path runs on the
+        # device and measures its kernels (0.9 MiB over the fake path's 83 MiB on an H200): the gpu tests' accuracy.
+        for device in ("cpu",) if torch.cuda.is_available() else ("cpu", "cuda"):
             fake = estimate(model=model, batch=batch, plan=plan, device=device)
             real = estimate(model=model, batch=batch, plan=plan, device=device, trace="real")
             assert (fake.method, real.method) == ("fake", "real")

@@ -55,6 +55,29 @@ def test_gpu_check_refuses_a_suite_path_that_is_not_there_in_one_line(tmp_path: 
     assert proc.stderr == f"gpu_check: --suite-paths 'tests/test_serch.py' is not a test file or folder of {ROOT}\n"
 
 
+def test_gpu_check_refuses_a_machine_without_what_its_steps_import_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh GPU machine without the carried wheels ran a whole-suite step into 37 import errors (4.5 minutes of
+    an H200): the check now stops before any step, naming what is missing."""
+    import importlib.util
+    import signal
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    real = importlib.util.find_spec
+    hidden = {"optuna", "jsonargparse"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the check's SIGTERM handler, not in pytest's process
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "report")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "report").exists()
+    assert err == ("gpu_check: cannot import optuna, jsonargparse: install the package and its test dependencies "
+                   "first (pip install -e '.[test]'; on a machine without network, from carried wheels)\n")
+    hidden.clear()
+    assert gpu_check.missing_modules() == []  # this machine (CI's) has them all
+
+
 def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_where_xdist_is(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
@@ -137,8 +160,8 @@ def test_the_quick_check_runs_dynamic_padding_on_real_memory_on_a_gpu_only(monke
     def padding(device: str) -> list[str]:
         return next(s.command for s in steps(device, True, ROOT) if s.name == "dynamic padding")
 
-    assert padding("cuda")[-6:-2] == ["--rule", "tokens", "--rule", "memory"]
-    assert "memory" not in padding("cpu")
+    assert padding("cuda")[-4:-2] == ["--rule", "memory"] and "--quick" not in padding("cuda")  # its goal's 240 steps
+    assert "memory" not in padding("cpu") and "--quick" in padding("cpu")
 
 
 def test_dynamic_paddings_memory_rule_refuses_the_cpu_in_one_line() -> None:
@@ -291,3 +314,24 @@ def test_the_overhead_ratio_compares_runs_of_one_repeat_not_pooled_medians(monke
     assert wall["ratio"] == pytest.approx((5.49 / 5.32 + 7.40 / 7.10) / 2)  # the middle two of four per-repeat ratios
     assert (round(wall["ratio_min"], 3), round(wall["ratio_max"], 3)) == (1.001, 1.058)
     assert wall["ratio"] > 1.01 and summarize(runs, 1, "plain")["plain"]["wall"]["ratio"] == 1.0
+
+
+def test_the_where_report_sets_each_step_of_the_trial_like_fit_beside_the_fit_without_its_flop_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H200 a fit in the benchmark's process peaked at the estimate and the trial 3.6 GiB above it: the report
+    puts each step's peak of a fit as the trial ran (fresh process, its steps, step 0's FLOPs counted) beside the
+    same fit without the FLOP count, so one GPU run says whether the trial's own measuring adds to its peak."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from trial_vs_estimate import where_lines
+
+    gib = 2**30
+    where = {"steps": 3, "stacks": False, "failures": ["with stacks: SystemError: x"], "frees_without_alloc": 0,
+             "trace_full": False, "peak_requested_bytes": 11 * gib, "max_memory_allocated": 11 * gib,
+             "phase": "step 1, backward of micro-batch 1", "step_peaks": [11 * gib, 7 * gib, 7 * gib],
+             "untraced_step_peaks": [7 * gib, 7 * gib, 7 * gib], "sites": [], "sizes": [(64 * 2**20, 25)]}
+    text = where_lines("eager", where)
+    assert "fitted as its trial: a fresh process, 3 steps, step 0's FLOPs counted, recorded without stacks" in text
+    assert "lies in step 1, backward of micro-batch 1" in text
+    assert "each step's max_memory_allocated (GiB): 11.00 7.00 7.00\n" in text
+    assert "without the FLOP count, untraced (GiB): 7.00 7.00 7.00\n" in text
+    assert "(recording with stacks: SystemError: x)" in text and "25 x 64.0 MiB" in text
