@@ -201,6 +201,10 @@ MUTATIONS = (
              "            if self._measure and self._byte_limit() is not None:\n", "            if False:\n",
              ("tests/callbacks/test_elastic_shapes.py::"
               "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
+    Mutation("cuda-context-measured", "on CUDA a shape not measured starts from the context a trial measured",
+             "autotune/_search/rank.py", "        if first or context_bytes < self.baseline:\n", "        if False:\n",
+             ("tests/test_search_choice.py::"
+              "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
              (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),

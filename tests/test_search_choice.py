@@ -433,3 +433,32 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
     assert estimator.largest_micro(Plan(), budget, 32) == max(fitting) < 16
     assert estimator.peak(Plan(micro_batch_size=16, activation_checkpointing=1.0)) == (
         estimator.tensors(Plan(micro_batch_size=16, activation_checkpointing=1.0)) + CUDA_CONTEXT_BYTES)
+
+
+def test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured() -> None:
+    """An H200's trial processes held 828 MiB of context against the 512 MiB estimated: a shape not measured yet
+    starts from the smallest context a trial measured, for its prediction and for rejecting it unmeasured; a shape
+    measured keeps its own gap; a CPU search has no context to learn."""
+    from pathlib import Path
+
+    from autotune import load_target
+    from autotune._search.rank import SearchEstimator
+
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
+    estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cuda"))
+    ckpt, plain = Plan(micro_batch_size=16, activation_checkpointing=1.0), Plan(micro_batch_size=16)
+    measured = estimator.tensors(plain) + 900 * 2**20
+    assert estimator.calibrate(plain, measured)  # the plain shape's own gap: 900 MiB
+    before = estimator.calibrations
+    mib = 2**20
+    assert estimator.measured_context(828 * mib)  # larger than the estimate: the first measurement replaces it
+    assert estimator.calibrations == before + 1  # 'auto' choices made before are made again
+    assert estimator.peak(ckpt) == estimator.tensors(ckpt) + 828 * mib
+    assert estimator.least_peak(ckpt) == estimator.tensors(ckpt) + 828 * mib
+    assert estimator.peak(plain) == measured  # measured: its own
+    assert not estimator.measured_context(900 * mib)  # a compiled plan's larger context is that plan's
+    assert estimator.measured_context(800 * mib) and estimator.peak(ckpt) == estimator.tensors(ckpt) + 800 * mib
+    assert not estimator.measured_context(0)
+    cpu = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cpu"))
+    baseline = cpu.baseline
+    assert not cpu.measured_context(828 * mib) and cpu.baseline == baseline

@@ -167,7 +167,8 @@ class SearchEstimator:
 
     On CUDA a trial's peak is the caching allocator's peak reserve plus the CUDA context (what NVML counts for the
     process beyond the allocator), the estimator's the bytes allocated: the baseline starts as the estimate's context
-    (``CUDA_CONTEXT_BYTES``; no short run) and each measured trial gives its shape a baseline of its own as on CPU,
+    (``CUDA_CONTEXT_BYTES``; no short run) until a trial measures the real one (:meth:`measured_context`), and each
+    measured trial gives its shape a baseline of its own as on CPU,
     which takes in the allocator's fragmentation, the real context and what the estimator does not trace (compile,
     float8, kernels' scratch). Each shape is traced once per micro-batch. Any failure of the estimator is logged and
     the search goes on without it.
@@ -181,6 +182,7 @@ class SearchEstimator:
         cuda = device.type == "cuda"
         self.baseline = CUDA_CONTEXT_BYTES if cuda else current_host_bytes()  # CPU: until the short run measures one
         self.calibrated = cuda
+        self._context_measured = False  # CUDA: whether a trial's context has replaced the estimate (measured_context)
         self._shape_baselines: dict[str, dict[int, int]] = {}  # shape: {micro-batch measured: its baseline}
         self.calibrations = 0  # how many measurements have changed a baseline (what 'auto' choices depend on)
         self._first_micro = 1  # the micro-batch of the first measurement (the short run's)
@@ -271,6 +273,22 @@ class SearchEstimator:
         if not self.calibrated:  # the first measurement (the search's short run before its trials) speaks for all
             self.baseline, self.calibrated, self._first_micro = baseline, True, micro
         return changed
+
+    def measured_context(self, context_bytes: int) -> bool:
+        """CUDA: a trial's context as NVML counted it. The smallest measured so far replaces the context estimate
+        (``CUDA_CONTEXT_BYTES``) as the baseline of the shapes not measured yet, and as the floor a plan is rejected
+        unmeasured on: the context is the process's, not the plan's (an H200's was 828 MiB against the 512 estimated),
+        and no trial holds less. Returns whether the baseline changed."""
+        if self.device.type != "cuda" or context_bytes <= 0:
+            return False
+        first = not self._context_measured
+        self._context_measured = True
+        if first or context_bytes < self.baseline:
+            changed = context_bytes != self.baseline
+            self.baseline = context_bytes
+            self.calibrations += int(changed)
+            return changed
+        return False
 
     def baseline_for(self, plan: Plan) -> int:
         """The process baseline under ``plan``'s tensors: its shape's if measured (:func:`interpolated` over the

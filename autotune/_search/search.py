@@ -327,6 +327,8 @@ class _Objective:
         if cached is not None:
             result, measured = cached
             value = self._record(trial, result, source="cache")
+            if result.context_bytes:  # a resumed search's: the context its earlier trial measured
+                self.estimator.measured_context(result.context_bytes)
             if result.status == "oom" and measured:  # a resumed search meets its earlier 'auto' that ran out
                 self._auto_ran_out(trial, params, plan.micro_batch_size)
             return value
@@ -349,6 +351,8 @@ class _Objective:
         result = run_trial(spec, timeout=self.trial_timeout)
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
+        if result.context_bytes:  # CUDA: the process's context, measured, for the shapes not measured yet
+            self.estimator.measured_context(result.context_bytes)
         if result.status == "oom":
             self._auto_ran_out(trial, params, plan.micro_batch_size)
         if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
