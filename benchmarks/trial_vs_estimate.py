@@ -21,8 +21,8 @@ three). On CUDA the first plan is then fitted again as its trial ran (a fresh pr
 number of steps, and the FLOPs of step 0's first micro-batch counted under ``FlopCounterMode`` as the trial's meter
 counts them) under the allocator's memory history: what is alive at its peak is listed by the Python line that
 allocated it and by size, and the peak placed in its phase of a step (``where`` in the JSON; without stacks where
-recording them fails), and once more without the FLOP count, untraced: each step's peak of both fits says whether the
-trial's own measuring adds to its peak (on the H200 a fit in the benchmark's process peaked at the estimate, 7.57 GiB,
+recording them fails), and once more without the FLOP count, untraced: each step's peak of both fits, beside each
+step's of the trial itself, says whether the trial's own measuring adds to its peak (on the H200 a fit in the benchmark's process peaked at the estimate, 7.57 GiB,
 and the trial at 11.20). On CPU, on the
 example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
 (``--quick``: the first only, a check of the plumbing).
@@ -100,7 +100,7 @@ def measure(target: str, label: str, fields: dict[str, Any], device: str, steps:
             "steps": result.warmup_steps + result.steps_timed, "predicted_bytes": predicted,
             "peak_bytes": result.peak_bytes,
             "allocated_peak_bytes": result.allocated_peak_bytes, "context_bytes": result.context_bytes,
-            "peak_noise_bytes": result.peak_noise_bytes,
+            "peak_noise_bytes": result.peak_noise_bytes, "allocated_step_peaks": result.allocated_step_peaks,
             "samples_per_second": result.samples_per_second, "note": note}
 
 
@@ -380,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(target, label, fields, args.device, 3 if args.quick else 6))
         write_json(args.json, {"machine": m, "target": target, "rows": rows})  # kept if a later plan hangs
     print(table(rows))
+    for r in rows:  # CUDA: whether a trial's peak is one step's (the first's, say) or grows from step to step
+        if r["allocated_step_peaks"]:
+            print(f"{r['plan']}: each step's tensors' peak (GiB) "
+                  + " ".join(f"{p / 2**30:.2f}" for p in r["allocated_step_peaks"]))
     where = None
     if args.device == "cuda" and rows:  # the first plan's peak, taken apart (a trial keeps no allocator trace)
         label, fields = plans(args.device, args.quick)[0]

@@ -257,6 +257,7 @@ def test_a_cuda_trial_reports_its_tensors_peak_and_context_beside_its_peak(monke
     result = json.loads((tmp_path / "r.json").read_text())
     expected = (900, 460, 80) if other_rank and other_rank[0] > 764 else (700 + 64, 450, 64)
     assert (result["peak_bytes"], result["allocated_peak_bytes"], result["context_bytes"]) == expected
+    assert result["allocated_step_peaks"] == [300, 450, 400, 420]  # each step's, in order: where a peak comes from
     if other_rank is None:  # the end once more, where NVML does not list the process: no context known
         monkeypatch.setattr(meter_module, "_context_bytes", lambda device: None)
         meter.on_train_end(trainer, SimpleNamespace(device=torch.device("cuda")))
@@ -264,6 +265,7 @@ def test_a_cuda_trial_reports_its_tensors_peak_and_context_beside_its_peak(monke
         assert (unlisted["peak_bytes"], unlisted["allocated_peak_bytes"], unlisted["context_bytes"]) == (700, 450, None)
     cpu = _meter_run(monkeypatch, tmp_path, [1.0] * 4, peaks=iter([5, 7, 6, 6, 6]), steps=2).result()
     assert cpu.allocated_peak_bytes is None and cpu.context_bytes is None  # a CPU trial's peak has no such parts
+    assert cpu.allocated_step_peaks is None
 
 
 def test_no_feasible_plan_chooses_nothing() -> None:

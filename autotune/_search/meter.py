@@ -56,7 +56,8 @@ class TrialResult:
     file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
     bytes allocated to tensors (what the estimator's tensors predict) and ``context_bytes`` the context counted in
     the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
-    allocator's reserve beyond its tensors. ``interval`` is the 95% interval of ``samples_per_second`` over this
+    allocator's reserve beyond its tensors; ``allocated_step_peaks`` each step's, in order (rank 0's), which says
+    whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95% interval of ``samples_per_second`` over this
     run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
     search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
     timing started (more than asked while the step time was settling).
@@ -74,6 +75,7 @@ class TrialResult:
     peak_noise_bytes: int | None = None  # how much its timed steps' peaks varied (largest - smallest)
     allocated_peak_bytes: int | None = None  # CUDA: the largest step's peak of tensor bytes
     context_bytes: int | None = None  # CUDA: the context in peak_bytes
+    allocated_step_peaks: list[int] | None = None  # CUDA: each step's peak of tensor bytes, in order (rank 0's)
     steps_timed: int = 0
     warmup_steps: int = 0
     flops_per_sample: float | None = None
@@ -187,6 +189,7 @@ def make_meter(**kwargs: Any) -> Any:
             self.timed_from: int | None = None
             self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
             self.allocated_peak: int | None = None  # CUDA: the largest step's tensor peak
+            self.allocated_steps: list[int] = []  # CUDA: each step's tensor peak
             self.context: int | None = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -217,7 +220,8 @@ def make_meter(**kwargs: Any) -> Any:
             self.step_peaks.append(self._peak(pl_module))
             self.step_peak = max(self.step_peak, self.step_peaks[-1])
             if pl_module.device.type == "cuda":
-                self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
+                self.allocated_steps.append(self.memory.peak_allocated())
+                self.allocated_peak = max(self.allocated_peak or 0, self.allocated_steps[-1])
             if self.marks:
                 self.marks.append(now)
             else:
@@ -320,6 +324,7 @@ def make_meter(**kwargs: Any) -> Any:
                 peak_noise_bytes=self.peak_noise(),
                 allocated_peak_bytes=self.allocated_peak,
                 context_bytes=self.context,
+                allocated_step_peaks=self.allocated_steps or None,
                 flops_per_sample=per_sample,
                 mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
                 steps_timed=len(self.durations()),
