@@ -111,8 +111,7 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
                                     *(["--quick", "--models", "mlp"] if quick else []),
                                     "--json", str(out / "estimator_accuracy.json")], 900),
         Step("elastic overhead and one real OOM", [python, "benchmarks/elastic_overhead.py", "--device", device,
-                                                   *(["--help"] if cpu_quick else ["--quick", "--cases", "gpt"] if quick
-                                            else []),
+                                                   *(["--help"] if cpu_quick else ["--quick"] if quick else []),
                                                    *([] if cpu_quick else ["--json", str(out / "overhead.json")])],
              900),
         Step("dynamic padding", [python, "benchmarks/dynamic_padding.py", "--device", device,

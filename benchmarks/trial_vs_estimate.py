@@ -207,13 +207,14 @@ def where_the_peak_goes(target: str, fields: dict[str, Any], *, steps: int = 3, 
     failures: list[str] = []
     for stacks in (True, False):
         try:
-            events, peaks = _fit(target, fields, record=stacks, steps=steps, count_flops=count_flops)
+            events, peaks, floor = _fit(target, fields, record=stacks, steps=steps, count_flops=count_flops)
         except Exception as err:  # noqa: BLE001 - the next way of recording, or the reason in the report
             failures.append(f"{'with' if stacks else 'without'} stacks: {type(err).__name__}: {err}")
             continue
         peak, sites, unmatched = peak_sites(events, top=top)
         return {"fields": fields, "steps": steps, "count_flops": count_flops, "stacks": stacks, "failures": failures,
                 "peak_requested_bytes": peak, "max_memory_allocated": max(peaks, default=0), "step_peaks": peaks,
+                "floor_bytes": floor,
                 "phase": peak_phase(events), "sites": sites if stacks else [], "sizes": sizes_at_peak(events),
                 "frees_without_alloc": unmatched, "trace_full": len(events) >= TRACE_ENTRIES}
     raise RuntimeError("; ".join(failures))
@@ -221,12 +222,17 @@ def where_the_peak_goes(target: str, fields: dict[str, Any], *, steps: int = 3, 
 
 def where_worker(target: str, fields: dict[str, Any], steps: int) -> dict[str, Any]:
     """In a fresh process (``_common.in_fresh_process``, as a trial starts): :func:`where_the_peak_goes` with the
-    trial's FLOP count, then each step's peak of the same fit without it, untraced (``untraced_step_peaks``)."""
-    found = where_the_peak_goes(target, fields, steps=steps, count_flops=True)
-    import torch
-
-    torch.cuda.empty_cache()
-    found["untraced_step_peaks"] = _fit(target, fields, record=None, steps=steps, count_flops=False)[1]
+    trial's FLOP count, then each step's peak of the same fit without it, untraced (``untraced_step_peaks``). A
+    failure comes back as ``{"error": reason}`` (or ``untraced_failure``), not as a process without a result."""
+    try:
+        found = where_the_peak_goes(target, fields, steps=steps, count_flops=True)
+    except Exception as err:  # noqa: BLE001 - the reason, for the report
+        return {"error": f"{type(err).__name__}: {' '.join(str(err).split())}"[:2000]}
+    try:
+        _, found["untraced_step_peaks"], found["untraced_floor_bytes"] = _fit(target, fields, record=None,
+                                                                              steps=steps, count_flops=False)
+    except Exception as err:  # noqa: BLE001
+        found["untraced_failure"] = f"{type(err).__name__}: {' '.join(str(err).split())}"[:2000]
     return found
 
 
@@ -235,9 +241,12 @@ TRACE_ENTRIES = 4_000_000
 
 
 def _fit(target: str, fields: dict[str, Any], *, record: bool | None, steps: int,
-         count_flops: bool) -> tuple[list[dict[str, Any]], list[int]]:
+         count_flops: bool) -> tuple[list[dict[str, Any]], list[int], int]:
     """The plan fitted for ``steps`` steps, under the allocator's memory history (``record``: with Python stacks or
-    without; None: not recorded): its events and each step's peak allocated."""
+    without; None: not recorded): its events, each step's peak allocated, and what was allocated before it started
+    (an earlier fit's leftovers, after collecting them)."""
+    import gc
+
     import lightning as L
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -283,24 +292,29 @@ def _fit(target: str, fields: dict[str, Any], *, record: bool | None, steps: int
                 self.counter.__enter__()
 
         def on_after_backward(self, *args: Any) -> None:
+            self.stop()
+
+        def stop(self, *args: Any) -> None:
             if self.counter is not None and self.counter.mode is not None:
                 self.counter.__exit__(None, None, None)
 
-        on_before_optimizer_step = on_after_backward
+        on_before_optimizer_step = on_train_batch_end = on_after_backward
 
     plan = autotune.Plan(**fields)
     loaded = autotune.load_target(target)
     micro = plan.micro_batch_size or loaded.batch_size()
     kwargs = plan.trainer_kwargs()
     kwargs.pop("devices", None)
-    phases = Phases()
+    phases, counting = Phases(), CountFlops()
     trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[
                             ElasticBatchSize(micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
-                            ApplyPlan(**plan.apply_kwargs()), phases, *([CountFlops()] if count_flops else [])],
+                            ApplyPlan(**plan.apply_kwargs()), phases, *([counting] if count_flops else [])],
                         **kwargs)
+    gc.collect()  # an earlier fit's trainer, model and optimizer sit in reference cycles
     torch.cuda.empty_cache()
+    floor = torch.cuda.memory_allocated(device)
     if record is not None:
         torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES,
                                                  **({"stacks": "python"} if record else {"context": None}))
@@ -308,9 +322,10 @@ def _fit(target: str, fields: dict[str, Any], *, record: bool | None, steps: int
         trainer.fit(loaded.model, datamodule=loaded.datamodule)
         snapshot = torch.cuda.memory._snapshot() if record is not None else None
     finally:
+        counting.stop()  # a fit that failed in step 0's backward leaves no counter behind for the next fit
         if record is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
-    return (snapshot["device_traces"][device.index] if snapshot else []), phases.peaks
+    return (snapshot["device_traces"][device.index] if snapshot else []), phases.peaks, floor
 
 
 def where_lines(label: str, where: dict[str, Any]) -> str:
@@ -322,9 +337,12 @@ def where_lines(label: str, where: dict[str, Any]) -> str:
              f"FLOPs counted{'' if where['stacks'] else ', recorded without stacks'}): the peak of bytes requested, "
              f"{where['peak_requested_bytes'] / gib:.2f} GiB (the largest step's max_memory_allocated "
              f"{where['max_memory_allocated'] / gib:.2f} GiB){partial}, lies in {where['phase']}",
-             "  each step's max_memory_allocated (GiB): " + " ".join(f"{p / gib:.2f}" for p in where["step_peaks"]),
+             "  each step's max_memory_allocated (GiB): " + " ".join(f"{p / gib:.2f}" for p in where["step_peaks"])
+             + f" (allocated before the fit: {where['floor_bytes'] / gib:.2f})",
              "  the same fit without the FLOP count, untraced (GiB): "
-             + " ".join(f"{p / gib:.2f}" for p in where.get("untraced_step_peaks", []))]
+             + (f"failed: {where['untraced_failure']}" if "untraced_failure" in where else
+                " ".join(f"{p / gib:.2f}" for p in where["untraced_step_peaks"])
+                + f" (allocated before the fit: {where['untraced_floor_bytes'] / gib:.2f})")]
     lines += [f"  (recording {failure})" for failure in where["failures"]]
     if where["sites"]:
         lines.append("  alive at it by the innermost Python frame outside torch:")
@@ -391,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             where = in_fresh_process(where_worker, target, fields, steps)
         except Exception as err:  # noqa: BLE001 - a diagnostic: the table above stands without it
-            print(f"\nwhere the peak goes ({label}): failed: {type(err).__name__}: {err}")
-        else:
-            print(where_lines(label, where))
+            where = {"error": f"{type(err).__name__}: {err}"}
+        print(f"\nwhere the peak goes ({label}): failed: {where['error']}" if "error" in where
+              else where_lines(label, where))
         write_json(args.json, {"machine": m, "target": target, "rows": rows, "where": where})
     for r in rows:
         if r["note"]:

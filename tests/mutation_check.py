@@ -205,6 +205,11 @@ MUTATIONS = (
              "autotune/_search/rank.py", "        if first or context_bytes < self.baseline:\n", "        if False:\n",
              ("tests/test_search_choice.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
+    Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",
+             "autotune/_search/search.py", "            self.estimator.measured_context(result.context_bytes)\n",
+             "            pass\n",
+             ("tests/test_search_choice.py::"
+              "test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_study",)),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
              (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,24 @@ def test_gpu_check_refuses_a_machine_without_what_its_steps_import_in_one_line(
                    "first (pip install -e '.[test]'; on a machine without network, from carried wheels)\n")
     hidden.clear()
     assert gpu_check.missing_modules() == []  # this machine (CI's) has them all
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_every_option_a_gpu_step_passes_is_one_its_script_takes(monkeypatch: pytest.MonkeyPatch, quick: bool) -> None:
+    """The GPU steps run only on a lent GPU (a CPU runs their ``--help``), so an option a script does not take would
+    cost a GPU run its step: each option of each benchmark step is checked against the script's own parser."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import steps
+
+    for step in steps("cuda", quick, ROOT):
+        script = next((c for c in step.command if c.startswith("benchmarks/") and c.endswith(".py")), None)
+        if script is None:
+            continue  # pytest, or the autotune CLI (the realistic search: tested with the CLI)
+        flags = {c.split("=")[0] for c in step.command if c.startswith("--")}
+        usage = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120).stdout
+        taken = set(re.findall(r"(--[a-z][a-z0-9-]*)", usage))
+        assert flags <= taken, f"{step.name}: {script} does not take {sorted(flags - taken)}"
 
 
 def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_where_xdist_is(
@@ -328,10 +347,14 @@ def test_the_where_report_sets_each_step_of_the_trial_like_fit_beside_the_fit_wi
     where = {"steps": 3, "stacks": False, "failures": ["with stacks: SystemError: x"], "frees_without_alloc": 0,
              "trace_full": False, "peak_requested_bytes": 11 * gib, "max_memory_allocated": 11 * gib,
              "phase": "step 1, backward of micro-batch 1", "step_peaks": [11 * gib, 7 * gib, 7 * gib],
-             "untraced_step_peaks": [7 * gib, 7 * gib, 7 * gib], "sites": [], "sizes": [(64 * 2**20, 25)]}
+             "untraced_step_peaks": [7 * gib, 7 * gib, 7 * gib], "sites": [], "sizes": [(64 * 2**20, 25)],
+             "floor_bytes": gib // 2, "untraced_floor_bytes": 0}
     text = where_lines("eager", where)
     assert "fitted as its trial: a fresh process, 3 steps, step 0's FLOPs counted, recorded without stacks" in text
     assert "lies in step 1, backward of micro-batch 1" in text
-    assert "each step's max_memory_allocated (GiB): 11.00 7.00 7.00\n" in text
-    assert "without the FLOP count, untraced (GiB): 7.00 7.00 7.00\n" in text
+    assert "each step's max_memory_allocated (GiB): 11.00 7.00 7.00 (allocated before the fit: 0.50)\n" in text
+    assert "without the FLOP count, untraced (GiB): 7.00 7.00 7.00 (allocated before the fit: 0.00)\n" in text
     assert "(recording with stacks: SystemError: x)" in text and "25 x 64.0 MiB" in text
+    failed = {**where, "untraced_failure": "OutOfMemoryError: y"}
+    del failed["untraced_step_peaks"]
+    assert "without the FLOP count, untraced (GiB): failed: OutOfMemoryError: y\n" in where_lines("eager", failed)

@@ -464,3 +464,45 @@ def test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_n
     cpu = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cpu"))
     baseline = cpu.baseline
     assert not cpu.measured_context(828 * mib) and cpu.baseline == baseline
+
+
+def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_study(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search's side of the test above: each measured trial's context reaches the estimator, and a resumed
+    search (or a worker joining one) starts from the contexts its study's measured trials recorded."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import optuna
+
+    import autotune._search.search as search_module
+    from autotune import load_target
+    from autotune._device.budget import Budget
+    from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
+    from autotune._search.meter import TrialResult
+    from autotune._search.rank import SearchEstimator
+
+    mib = 2**20
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
+
+    def objective() -> Any:  # a CUDA search's objective, what-if on this machine, its trials played
+        runner = object.__new__(search_module._Objective)
+        runner.target, runner.config, runner.devices, runner.steps, runner.warmup = f"{gpt}:make", None, 1, 3, 1
+        runner.interval, runner.trial_timeout, runner._long_dir = 0.03, 60.0, None
+        runner.device, runner.budget, runner.budget_bytes = torch.device("cuda"), Budget.parse("2GiB"), 2 * 2**30
+        runner.space = SimpleNamespace(suggest=lambda trial: {"micro_batch_size": 8})
+        runner.estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cuda"))
+        return runner
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    runner = objective()
+    assert runner.estimator.baseline == CUDA_CONTEXT_BYTES
+    monkeypatch.setattr(search_module, "run_trial", lambda spec, timeout: TrialResult(
+        "ok", samples_per_second=10.0, peak_bytes=900 * mib, context_bytes=828 * mib))
+    study.optimize(runner, n_trials=1)
+    assert runner.estimator.baseline == 828 * mib  # measured by the trial
+    assert study.trials[0].user_attrs["context_bytes"] == 828 * mib
+    resumed = objective()
+    resumed.learn_context(study)
+    assert resumed.estimator.baseline == 828 * mib

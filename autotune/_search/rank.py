@@ -244,8 +244,8 @@ class SearchEstimator:
 
     def known_under(self, plan: Plan, limit_bytes: int) -> bool:
         """Whether ``plan``'s least peak (:meth:`least_peak`) is known to be at most ``limit_bytes`` without tracing
-        it: a larger micro-batch of its shape, traced, is under the limit with the first baseline measured (the peak
-        grows with the micro-batch; the least peak takes at most that baseline)."""
+        it: a larger micro-batch of its shape, traced, is under the limit with the first baseline measured (CUDA: the
+        context; the peak grows with the micro-batch; the least peak takes at most that baseline)."""
         traces = self._traces.get(_shape(plan).key())
         if traces is None or plan.micro_batch_size is None:
             return False
@@ -292,7 +292,8 @@ class SearchEstimator:
 
     def baseline_for(self, plan: Plan) -> int:
         """The process baseline under ``plan``'s tensors: its shape's if measured (:func:`interpolated` over the
-        micro-batches measured), else the first measured."""
+        micro-batches measured), else the first measured (CUDA: the smallest context a trial measured, or the context
+        estimate before one has)."""
         key = _shape(plan).key()
         for measured, peak in self._pending.pop(key, []):
             self.calibrate(measured, peak)

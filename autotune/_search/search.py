@@ -185,6 +185,7 @@ def search(
                             interval=interval, trial_timeout=trial_timeout)
         recover_dead_workers(the_study)
         requeue_interrupted(the_study)
+        runner.learn_context(the_study)  # a resumed search: the context its trials measured
         if finished(the_study) < trials:
             if not the_study.trials:  # a new study: its first trials are the seeds, then the estimator's ranking
                 runner.measure_baseline()
@@ -279,6 +280,15 @@ class _Objective:
         self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout,
                                         meanwhile=seeds)
 
+    def learn_context(self, study: Any) -> None:
+        """CUDA: the context the study's measured trials saw (a resumed search's, or other workers' so far), for the
+        plan shapes not measured yet (:meth:`SearchEstimator.measured_context`)."""
+        from optuna.trial import TrialState
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("source") == "measured" and t.user_attrs.get("context_bytes"):
+                self.estimator.measured_context(t.user_attrs["context_bytes"])
+
     def first_trials(self, count: int) -> list[dict[str, Any]]:
         """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
         seeds = [dict(p) for p in self.space.seeds]
@@ -327,8 +337,6 @@ class _Objective:
         if cached is not None:
             result, measured = cached
             value = self._record(trial, result, source="cache")
-            if result.context_bytes:  # a resumed search's: the context its earlier trial measured
-                self.estimator.measured_context(result.context_bytes)
             if result.status == "oom" and measured:  # a resumed search meets its earlier 'auto' that ran out
                 self._auto_ran_out(trial, params, plan.micro_batch_size)
             return value
