@@ -203,12 +203,12 @@ MUTATIONS = (
               "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
     Mutation("cuda-context-measured", "on CUDA a shape not measured starts from the context a trial measured",
              "autotune/_search/rank.py", "        if first or context_bytes < self.baseline:\n", "        if False:\n",
-             ("tests/test_search_choice.py::"
+             ("tests/test_search_context.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",
              "autotune/_search/search.py", "            self.estimator.measured_context(result.context_bytes)\n",
              "            pass\n",
-             ("tests/test_search_choice.py::"
+             ("tests/test_search_context.py::"
               "test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_study",)),
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",

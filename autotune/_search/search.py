@@ -281,11 +281,8 @@ class _Objective:
                                         meanwhile=seeds)
 
     def learn_context(self, study: Any) -> None:
-        """CUDA: the context the study's measured trials saw (a resumed search's, or other workers' so far), for the
-        plan shapes not measured yet (:meth:`SearchEstimator.measured_context`)."""
-        from optuna.trial import TrialState
-
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        """CUDA: the context a resumed study's measured trials saw, for the shapes not measured yet."""
+        for t in study.get_trials(deepcopy=False):
             if t.user_attrs.get("source") == "measured" and t.user_attrs.get("context_bytes"):
                 self.estimator.measured_context(t.user_attrs["context_bytes"])
 
