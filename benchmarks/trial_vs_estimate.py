@@ -22,10 +22,9 @@ number of steps, and the FLOPs of step 0's first micro-batch counted under ``Flo
 counts them) under the allocator's memory history: what is alive at its peak is listed by the Python line that
 allocated it and by size, and the peak placed in its phase of a step (``where`` in the JSON; without stacks where
 recording them fails), and once more without the FLOP count, untraced: each step's peak of both fits, beside each
-step's of the trial itself, says whether the trial's own measuring adds to its peak (on the H200 a fit in the benchmark's process peaked at the estimate, 7.57 GiB,
-and the trial at 11.20). On CPU, on the
-example GPT, 32-true at micro-batch 8 with full checkpointing and the same compiled
-(``--quick``: the first only, a check of the plumbing).
+step's of the trial itself, says whether the trial's own measuring adds to its peak (on the H200 a fit in the
+benchmark's process peaked at the estimate, 7.57 GiB, and the trial at 11.20). On CPU, on the example GPT, 32-true at
+micro-batch 8 with full checkpointing and the same compiled (``--quick``: the first only, a check of the plumbing).
 
 Usage::
 

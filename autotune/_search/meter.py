@@ -57,8 +57,8 @@ class TrialResult:
     bytes allocated to tensors (what the estimator's tensors predict) and ``context_bytes`` the context counted in
     the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
     allocator's reserve beyond its tensors; ``allocated_step_peaks`` each step's, in order (rank 0's), which says
-    whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95% interval of ``samples_per_second`` over this
-    run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
+    whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95%
+    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
     search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
     timing started (more than asked while the step time was settling).
 
