@@ -223,15 +223,18 @@ def where_worker(target: str, fields: dict[str, Any], steps: int) -> dict[str, A
     """In a fresh process (``_common.in_fresh_process``, as a trial starts): :func:`where_the_peak_goes` with the
     trial's FLOP count, then each step's peak of the same fit without it, untraced (``untraced_step_peaks``). A
     failure comes back as ``{"error": reason}`` (or ``untraced_failure``), not as a process without a result."""
+    def reason(err: Exception) -> str:
+        return f"{type(err).__name__}: {' '.join(str(err).split())}"[:2000]
+
     try:
         found = where_the_peak_goes(target, fields, steps=steps, count_flops=True)
     except Exception as err:  # noqa: BLE001 - the reason, for the report
-        return {"error": f"{type(err).__name__}: {' '.join(str(err).split())}"[:2000]}
+        return {"error": reason(err)}
     try:
         _, found["untraced_step_peaks"], found["untraced_floor_bytes"] = _fit(target, fields, record=None,
                                                                               steps=steps, count_flops=False)
     except Exception as err:  # noqa: BLE001
-        found["untraced_failure"] = f"{type(err).__name__}: {' '.join(str(err).split())}"[:2000]
+        found["untraced_failure"] = reason(err)
     return found
 
 
@@ -290,14 +293,11 @@ def _fit(target: str, fields: dict[str, Any], *, record: bool | None, steps: int
                 self.counter = FlopCounterMode(display=False)
                 self.counter.__enter__()
 
-        def on_after_backward(self, *args: Any) -> None:
-            self.stop()
-
         def stop(self, *args: Any) -> None:
             if self.counter is not None and self.counter.mode is not None:
                 self.counter.__exit__(None, None, None)
 
-        on_before_optimizer_step = on_train_batch_end = on_after_backward
+        on_after_backward = on_before_optimizer_step = on_train_batch_end = stop
 
     plan = autotune.Plan(**fields)
     loaded = autotune.load_target(target)

@@ -182,14 +182,14 @@ def tuned(case: Case, budget: str, device: str, trials: int, steps: int, warmup:
     from autotune import NoFeasiblePlanError, search
 
     start = time.perf_counter()
+    storage, name = f"sqlite:///{folder / 'tuned.db'}", f"vs-{case.name}-{budget}"
     try:
-        result = search(target=case.target, budget=budget, trials=trials, storage=f"sqlite:///{folder / 'tuned.db'}",
-                        study=f"vs-{case.name}-{budget}", out=None, seed=0, device=device, steps=steps, warmup=warmup)
+        result = search(target=case.target, budget=budget, trials=trials, storage=storage, study=name, out=None,
+                        seed=0, device=device, steps=steps, warmup=warmup)
     except NoFeasiblePlanError as err:
         import optuna
 
-        study = optuna.load_study(study_name=f"vs-{case.name}-{budget}", storage=f"sqlite:///{folder / 'tuned.db'}")
-        found = trials_log(study)
+        found = trials_log(optuna.load_study(study_name=name, storage=storage))
         print(f"[{case.name}] autotune search: {err}; its trials (number, plan, status, source, samples/s, peak MiB, "
               "predicted MiB):", file=sys.stderr)
         for number, plan, status, source, rate, peak, predicted in found:  # why nothing fit, in the report
