@@ -342,18 +342,39 @@ def set_current_hook_name(module: Any, name: str | None) -> None:
     module._current_fx_name = name
 
 
-def set_closure_loss(closure: Any, total: Any) -> None:
+def set_closure_loss(closure: Any, total: Any, *, extra: Any = None) -> None:
     """Make Lightning's automatic-optimization closure report ``total``, the whole batch's loss (the sum of the
-    weighted micro-batch losses), to the loop: ``Closure._result`` (a ``ClosureResult``) is replaced by a new
-    ``lightning.pytorch.loops.optimization.automatic.ClosureResult`` with the same ``extra``; nothing where the closure
-    has no result or ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show
-    one micro-batch's loss, or fail."""
+    weighted micro-batch losses), and ``extra`` (the other keys ``training_step`` returned, put together from the
+    micro-batches; None: the last call's) to the loop: ``Closure._result`` (a ``ClosureResult``) is replaced by a new
+    ``lightning.pytorch.loops.optimization.automatic.ClosureResult``; nothing where the closure has no result or
+    ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's
+    loss, or fail."""
     from lightning.pytorch.loops.optimization.automatic import ClosureResult
 
     result = getattr(closure, "_result", None)
     if result is None or total is None or not hasattr(result, "closure_loss"):
         return
-    closure._result = ClosureResult(closure_loss=total.detach(), extra=result.extra)
+    closure._result = ClosureResult(closure_loss=total.detach(), extra=result.extra if extra is None else extra)
+
+
+def closure_extra(closure: Any) -> Any:
+    """What the closure's last call returned besides the loss (``Closure._result.extra``: the other keys of the dict
+    ``training_step`` returned), or None. If it went away, ``on_train_batch_end`` would get the last micro-batch's
+    outputs only."""
+    result = getattr(closure, "_result", None)
+    return getattr(result, "extra", None)
+
+
+def wrap_zero_grad(closure: Any, wrap: Callable[[Callable[[], None]], Callable[[], None]]) -> None:
+    """Replace the zero-grad function of Lightning's automatic-optimization closure (``Closure._zero_grad_fn``, run
+    after ``training_step`` on each call: the ``on_before_zero_grad`` hooks, then ``optimizer_zero_grad``) by
+    ``wrap(original)``; nothing where it has none (Lightning's accumulation skips it). If the attribute went away,
+    this raises rather than let gradients be zeroed between micro-batches."""
+    if not hasattr(closure, "_zero_grad_fn"):
+        raise RuntimeError("ElasticBatchSize: this Lightning's optimizer closure has no `_zero_grad_fn`; this version "
+                           "of lightning-autotune supports Lightning 2.6")
+    if closure._zero_grad_fn is not None:
+        closure._zero_grad_fn = wrap(closure._zero_grad_fn)
 
 
 def set_trainer_reference(model: Any, trainer: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -138,7 +139,7 @@ class ElasticBatchSize(Callback):
     @property
     def update_snapshot_bytes(self) -> int:
         """Host bytes copied to protect the last optimizer update (0 in steady state; see ``protect_update``)."""
-        return self.engine.update_snapshot_bytes if self.engine is not None else 0
+        return self.engine.update.snapshot_bytes if self.engine is not None else 0
 
     @property
     def budget_bytes(self) -> int | None:
@@ -232,7 +233,6 @@ class ElasticBatchSize(Callback):
         assert engine is not None  # set just before; not user input
         original_step = pl_module.optimizer_step
         original_training_step = pl_module.training_step
-        original_zero_grad = pl_module.optimizer_zero_grad
         original_transfer = batch_transfer_handler(pl_module)
 
         def in_training() -> bool:
@@ -250,12 +250,6 @@ class ElasticBatchSize(Callback):
             part = original_transfer(part, trainer.strategy.root_device, 0)
             return engine.scale_output(original_training_step(part, *args, **kwargs))
 
-        @functools.wraps(original_zero_grad)
-        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> Any:
-            if engine.index == 0:  # gradients accumulate over the micro-batches of one step
-                return original_zero_grad(*args, **kwargs)
-            return None
-
         @functools.wraps(original_step)
         def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
             parallel_model = trainer.strategy.model if trainer.world_size > 1 else None
@@ -272,7 +266,6 @@ class ElasticBatchSize(Callback):
         self._patch(pl_module, "log", engine.logs)
         self._patch(pl_module, BATCH_TRANSFER_HANDLER, transfer)
         self._patch(pl_module, "training_step", training_step)
-        self._patch(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
         self._patch(pl_module, "optimizer_step", optimizer_step)
         for name, stage in _EVAL_STEPS.items():
             original = getattr(pl_module, name, None)
@@ -387,6 +380,14 @@ def _check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:
             f"let the dataloader yield the effective batch (e.g. batch_size=16 x {trainer.accumulate_grad_batches} "
             f"= {16 * trainer.accumulate_grad_batches})."
         )
+    for callback in trainer.callbacks:
+        if isinstance(callback, GradientAccumulationScheduler) and set(callback.scheduling.values()) != {1}:
+            raise MisconfigurationException(
+                f"ElasticBatchSize does the gradient accumulation itself, but a GradientAccumulationScheduler sets "
+                f"accumulate_grad_batches to {callback.scheduling} by epoch. Remove it and let the dataloader yield "
+                "the effective batch (a batch size that changes by epoch: a batch sampler or a DataModule that "
+                "reloads its dataloaders, reload_dataloaders_every_n_epochs=1)."
+            )
     if not pl_module.automatic_optimization:
         raise MisconfigurationException(
             "ElasticBatchSize needs automatic optimization, but the LightningModule sets "

@@ -41,9 +41,10 @@ class Mutation:
 
 ELASTIC = "tests/callbacks/test_elastic.py::"
 STATE = "tests/callbacks/test_elastic_state.py::"
+CONTRACT = "tests/callbacks/test_elastic_contract.py::"
 MUTATIONS = (
     Mutation("update-snapshot-restored", "an OOM in an update that creates state replays exactly",
-             "autotune/_runtime/microbatch.py", "                self.snapshot.restore()\n", "                pass\n",
+             "autotune/_runtime/microbatch.py", "                self.update.snapshot.restore()\n", "                pass\n",
              (ELASTIC + "test_a_later_update_that_creates_state_is_replayed_exactly",)),
     Mutation("grad-scaler-steps-forgotten", "fp16's GradScaler is right after a replay",
              "autotune/_runtime/microbatch.py",
@@ -60,7 +61,8 @@ MUTATIONS = (
              "            rng.restore()\n            self._record(",
              (ELASTIC + "test_a_replay_does_not_count_twice_in_torchmetrics",)),
     Mutation("steady-state-copies-nothing", "only updates that create state are copied to the host",
-             "autotune/_runtime/state.py", "    return any(not state.get(p) for p in update_parameters(optimizer))\n",
+             "autotune/_runtime/state.py",
+             "    return any(not state.get(p) and id(p) not in stateless for p in update_parameters(optimizer))\n",
              "    return True\n",
              (ELASTIC + "test_only_updates_that_create_state_are_copied_and_steady_state_copies_nothing",)),
     Mutation("fsdp2-unsharded-grads-cleared", "an OOM inside an FSDP2 unit's backward replays exactly",
@@ -213,6 +215,28 @@ MUTATIONS = (
     Mutation("norm-running-stats-restored", "a failed attempt leaves no trace in BatchNorm's running statistics",
              "autotune/_runtime/state.py", "        self.running.restore()\n", "        pass\n",
              (STATE + "test_a_failed_attempt_leaves_no_trace_in_batchnorm_running_statistics",)),
+    Mutation("update-prepared-once-per-attempt", "L-BFGS: the host copy is taken before the first closure evaluation",
+             "autotune/_runtime/update.py", "        if self._prepared:\n            return\n", "",
+             (CONTRACT + "test_lbfgs_recovers_from_an_oom_in_any_closure_evaluation",)),
+    Mutation("zero-grad-hooks-once", "on_before_zero_grad runs once per step, not per micro-batch or replay",
+             "autotune/_runtime/microbatch.py", "            if evaluation in self._zeroed:\n",
+             "            if False:\n",
+             (CONTRACT + "test_on_before_zero_grad_runs_once_per_step_and_not_again_on_a_replay",)),
+    Mutation("step-outputs-combined", "on_train_batch_end gets the whole batch's outputs",
+             "autotune/_runtime/microbatch.py", "            if len(extras) > 1 and all(extra for extra, _ in extras):",
+             "            if False:",
+             (CONTRACT + "test_training_step_outputs_are_those_of_the_whole_batch",)),
+    Mutation("stateless-parameters-steady", "a stateless optimizer's steady updates copy nothing",
+             "autotune/_runtime/update.py", "if not state.get(p))\n", "if not state.get(p) and False)\n",
+             (CONTRACT + "test_a_stateless_update_is_copied_once_and_an_lbfgs_update_every_step",)),
+    Mutation("per-sample-outputs-concatenated", "a split evaluation's per-sample outputs come back whole and in order",
+             "autotune/_runtime/batch.py",
+             "        if _is_per_sample(first, sizes[0], None) and all(", "        if False and all(",
+             (CONTRACT + "test_per_sample_prediction_lists_come_back_whole_and_in_order_after_a_split",)),
+    Mutation("lists-give-the-batch-size", "a batch without tensors is split by its per-sample lists",
+             "autotune/_runtime/batch.py", "    return None if items is None else len(items)\n",
+             "    return None\n",
+             (CONTRACT + "test_a_batch_without_tensors_is_split_by_its_per_sample_lists",)),
 )
 
 

@@ -12,10 +12,14 @@ _OOM_PATTERNS = re.compile(
     "|".join(
         [
             r"CUDA out of memory",  # CUDA caching allocator (older torch raised RuntimeError)
+            r"CUDA error: out of memory",  # a raw cudaMalloc outside the caching allocator (torch.AcceleratorError)
             r"CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS workspace allocation
+            r"CUSOLVER_STATUS_ALLOC_FAILED",  # cuSOLVER workspace allocation (linalg)
+            r"CUFFT_ALLOC_FAILED",  # cuFFT plan allocation (torch.fft)
             r"CUDNN_STATUS_NOT_SUPPORTED\. This error may appear if you passed in a non-contiguous input",  # cuDNN
             r"cuDNN error: CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace allocation
             r"HIP out of memory",  # ROCm
+            r"HIP error: out of memory",  # ROCm, a raw hipMalloc
             r"XPU out of memory",  # Intel XPU
             r"MPS backend out of memory",  # Apple MPS
             r"DefaultCPUAllocator: can't allocate memory",  # CPU allocator

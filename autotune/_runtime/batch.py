@@ -52,9 +52,30 @@ def _children(batch: Any) -> Any:
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """The first dimension of the first tensor in ``batch`` (depth-first), or None when there is none."""
+    """The first dimension of the first tensor in ``batch`` (depth-first); in a batch without tensors (texts and ids,
+    tokenized in ``training_step``), the length of its first list of numbers or strings; None when it has neither.
+
+    Example:
+        >>> batch_size_of({"text": ["a b", "c", "d e f"], "id": [4, 5, 6]})
+        3
+    """
     first = _first_array(batch)
-    return None if first is None else int(first.shape[0])
+    if first is not None:
+        return int(first.shape[0])
+    items = _first_leaf_list(batch)
+    return None if items is None else len(items)
+
+
+def _first_leaf_list(batch: Any) -> Any:
+    """The first non-empty list or tuple of numbers and strings in ``batch``, depth-first (not all None), or None."""
+    if isinstance(batch, (list, tuple)) and batch and not _is_namedtuple(batch) and all(
+            isinstance(v, _LEAF_TYPES) or _is_number(v) for v in batch) and any(v is not None for v in batch):
+        return batch
+    for child in _children(batch):
+        found = _first_leaf_list(child)
+        if found is not None:
+            return found
+    return None
 
 
 def sample_size_of(batch: Any, size: int) -> float:
@@ -113,6 +134,26 @@ def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
         return items[start:stop] if _is_per_sample(items, size, first) else None
 
     return _map_arrays(batch, cut, per_sample)
+
+
+def passed_whole(batch: Any, size: int) -> list[tuple[int, ...]]:
+    """The shapes of the tensors that every micro-batch of ``batch`` (of ``size`` samples) gets whole: those of one
+    or more dimensions whose first is not ``size``, per-sample lists aside.
+
+    Example:
+        >>> passed_whole({"x": torch.zeros(7, 4, 3), "y": torch.zeros(4), "w": torch.zeros(3)}, 7)
+        [(4,), (3,)]
+    """
+    first = _first_array(batch)
+    shapes: list[tuple[int, ...]] = []
+
+    def note(array: Any) -> Any:
+        if array.ndim > 0 and array.shape[0] != size:
+            shapes.append(tuple(array.shape))
+        return array
+
+    _map_arrays(batch, note, lambda items: items if _is_per_sample(items, size, first) else None)
+    return shapes
 
 
 def _first_array(batch: Any) -> Any:
@@ -292,7 +333,9 @@ def combine_outputs(outputs: list[Any], sizes: list[int]) -> Any:
     """Put the outputs of the micro-batches of one evaluation batch back together.
 
     Tensors whose first dimension is the micro-batch size are concatenated, other tensors and numbers are averaged
-    weighted by micro-batch size, containers are combined element-wise, anything else is taken from the last part.
+    weighted by micro-batch size, per-sample lists (by the rule that cuts a batch's lists, the largest part deciding:
+    one prediction dict or tensor per sample) are concatenated, other containers are combined element-wise, anything
+    else is taken from the last part.
 
     Example:
         >>> combine_outputs([torch.ones(2, 3), torch.zeros(1, 3)], [2, 1]).shape
@@ -315,8 +358,7 @@ def combine_outputs(outputs: list[Any], sizes: list[int]) -> Any:
     if _is_namedtuple(first):
         return type(first)(*(combine_outputs(list(parts), sizes) for parts in zip(*outputs)))
     if isinstance(first, (list, tuple)):
-        per_sample = all(isinstance(v, _LEAF_TYPES) for o in outputs for v in o)
-        if per_sample and all(len(o) == n for o, n in zip(outputs, sizes)):
+        if _is_per_sample(first, sizes[0], None) and all(len(o) == n for o, n in zip(outputs, sizes)):
             return type(first)(item for o in outputs for item in o)  # per-sample lists concatenate
         return type(first)(combine_outputs(list(parts), sizes) for parts in zip(*outputs))
     return outputs[-1]

@@ -67,4 +67,4 @@ class EvalSteps:
             rng.restore()
             metrics.restore()
             self.eval_micro_batch_size[stage] = smaller
-            self._record("eval_oom", -1, micro, smaller, where=stage)
+            self._record("eval_oom", module.trainer.global_step, micro, smaller, where=stage, batch_size=n or 1)

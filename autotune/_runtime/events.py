@@ -41,6 +41,13 @@ _UNSEEN = ("Out of memory inside the update of {name}, an optimizer that is neit
            "subclass of one): such updates may write parameters through .data or raw pointers, which torch does not "
            "count as changes, so whether it changed anything before it failed cannot be told, and it is not "
            "replayed. {why}")
+_NOT_SPLIT = ("ElasticBatchSize: a training batch holds no tensor and no list of numbers or strings to read its "
+              "size from, so it is not split and an out-of-memory error in it is not replayed. Give the batch a "
+              "tensor of one row per sample (labels, ids), or a list of one item per sample.")
+_PASSED_WHOLE = ("ElasticBatchSize: the batch size is {n}, the first dimension of the batch's first tensor; tensors of "
+                 "shape {shapes} have another first dimension and go whole into every micro-batch. If the batch is "
+                 "sequence-first (length, batch, ...), make it batch-first in the dataloader; shared tensors (class "
+                 "weights, one mask for all samples) are right as they are.")
 _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(protect_update=True)."
 
 

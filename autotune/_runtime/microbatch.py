@@ -20,22 +20,21 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from autotune._compat import forget_scaler_steps, set_closure_loss
+from autotune._compat import closure_extra, forget_scaler_steps, set_closure_loss, wrap_zero_grad
 from autotune._runtime.agreement import Agreement, PeerOutOfMemory
 from autotune._runtime.drain import CollectiveDrain
 from autotune._runtime.evaluation import EvalSteps
-from autotune._runtime.batch import batch_size_of, scale_step_output, slice_batch, split_even, split_sizes
+from autotune._runtime.batch import (
+    batch_size_of, combine_outputs, passed_whole, scale_step_output, slice_batch, split_even, split_sizes,
+)
 from autotune._device.budget import format_bytes
 from autotune._runtime.logbuffer import LogBuffer
-from autotune._runtime.events import (
-    _DIFFERENT_SPLITS, _HALF_APPLIED, _STEADY_OF_A_RANK, _UNSEEN, _WARN_ONCE, _WHY_OFF, _WHY_STEADY, ElasticEvent,
-)
+from autotune._runtime.events import _DIFFERENT_SPLITS, _NOT_SPLIT, _PASSED_WHOLE, _WARN_ONCE, ElasticEvent
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
 from autotune._device.meter import MemoryMeter
-from autotune._runtime.state import (
-    MetricStates, RNGState, UpdateSnapshot, creates_state, release_memory, update_fingerprint,
-)
+from autotune._runtime.state import MetricStates, RNGState, release_memory
+from autotune._runtime.update import UpdateGuard
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 
 log = logging.getLogger("autotune")
@@ -76,7 +75,6 @@ class ElasticEngine(EvalSteps):
         self.min_micro_batch_size = min_micro_batch_size
         self.grow = grow
         self.grow_wait = grow_after
-        self.protect_update = protect_update
         self.budget_bytes = budget_bytes
         self.budget_text = budget_text
         self.hard_budget = hard_budget
@@ -85,16 +83,14 @@ class ElasticEngine(EvalSteps):
         self.agree = Agreement(device, world_size)
         self.logs = LogBuffer(log_fn)
         self.meter = MemoryMeter(device)
-        self.snapshot = UpdateSnapshot()
         self.sharded = sharded  # FSDP2: the module's own reduce-scatter; an OOM is drained, voted and replayed
         self.drain = CollectiveDrain() if sharded else None
         self.shapes = ShapeSplit(sample_size=sample_size, min_micro_batch_size=min_micro_batch_size,
                                  ranks_vote=self.agree.enabled)
         if micro_batch_sample_size is not None and micro_batch_size is not None:
             self.shapes.seed(micro_batch_size, micro_batch_sample_size)
-        self.update_protected = False
-        self.update_snapshot_bytes = 0  # host bytes copied to protect the last update (0 in steady state)
-        self._fingerprint: list[Any] | None = None
+        self.update = UpdateGuard(protect=protect_update)
+        self._zeroed: set[int] = set()  # the closure evaluations of this step whose zero-grad function ran
         self._used: list[bool] = []  # which parameters' gradients this step reduces (DDP)
         # Policy state (saved in checkpoints).
         self.clean_steps = 0
@@ -129,6 +125,11 @@ class ElasticEngine(EvalSteps):
         self.index = 0
         if self.batch_size:
             self.shapes.start(batch, self.batch_size)
+            if "whole" not in self._warned:  # the first batch's tensors that are not cut (sequence-first ones?)
+                self._warned.add("whole")
+                whole = passed_whole(batch, self.batch_size)
+                if whole:
+                    rank_zero_warn(_PASSED_WHOLE.format(n=self.batch_size, shapes=", ".join(map(str, whole))))
 
     def micro_part(self, batch: Any) -> tuple[Any, bool]:
         """The current micro-batch of ``batch`` and whether the batch is being split at all."""
@@ -155,7 +156,10 @@ class ElasticEngine(EvalSteps):
         """Run one optimizer step (``step(closure)``) over micro-batches, replaying it after an OOM.
         ``parallel_model`` is DDP's wrapper (or the FSDP2-sharded module) when there are several ranks, else None."""
         n = self.batch_size
-        if not n:  # nothing to split (no tensor in the batch): behave as if the callback were absent
+        if not n:  # nothing to split (no tensor nor list in the batch): behave as if the callback were absent
+            if "unsplit" not in self._warned:
+                self._warned.add("unsplit")
+                rank_zero_warn(_NOT_SPLIT)
             return step(closure)
         if self.drain is not None:
             self.drain.install(module)
@@ -165,10 +169,13 @@ class ElasticEngine(EvalSteps):
         metrics = self._metric_states(module)
         static = self.meter.start() if self._measure else 0
         replayed = False
+        self._zeroed = set()
+        wrap_zero_grad(closure, lambda original: self._zero_grad_once(original, optimizer))
         while True:
             self.sizes = self._split(n, replayed)
             micro = self.sizes[0]
             self.phase = "closure"
+            self.update.start_attempt()
             self._closure_load = None
             self.logs.start()
             failed_in = ""
@@ -182,12 +189,12 @@ class ElasticEngine(EvalSteps):
                     raise OutOfMemoryAtMinimumError(self.drain.unsupported_error()) from exc
                 failed_in = self.phase
                 if failed_in == "update":
-                    self._check_replayable(optimizer, cause=exc)
+                    self.update.check_replayable(optimizer, cause=exc, agree=self.agree)
                 next_micro = self._shrink(micro, n, peer=isinstance(exc, PeerOutOfMemory))
                 if next_micro is None or getattr(exc, "fatal", False):
                     raise self._floor_error(n, micro, failed_in, peer=isinstance(exc, PeerOutOfMemory)) from exc
             else:
-                if self.agree.enabled and self.update_protected and self.agree.any(False):
+                if self.agree.enabled and self.update.protected and self.agree.any(False):
                     failed_in = "update"  # a peer failed in its protected update: undo ours too
                     next_micro = self._shrink(micro, n, peer=True)
                     if next_micro is None:
@@ -199,8 +206,8 @@ class ElasticEngine(EvalSteps):
                 self.drain.reset(optimizer)  # FSDP2's iteration state and unsharded gradients, on every rank
             optimizer.zero_grad(set_to_none=True)
             release_memory(module.parameters(), self.device, static_bytes=static)
-            if failed_in == "update" and self.update_protected:
-                self.snapshot.restore()
+            if failed_in == "update" and self.update.protected:
+                self.update.snapshot.restore()
             if scaler is not None:
                 forget_scaler_steps(scaler)  # forget unscale_/inf checks of the failed attempt
             rng.restore()
@@ -212,8 +219,7 @@ class ElasticEngine(EvalSteps):
             replayed = True
             static = self.meter.start() if self._measure else 0
         self.logs.flush(parts=len(self.sizes))
-        if self.update_protected:
-            self.snapshot.release()  # the protected update succeeded: steady-state steps hold no host copy
+        self.update.succeeded(optimizer)
         self._after_success(n, micro, static, global_step, clean=not replayed)
         return result
 
@@ -242,41 +248,21 @@ class ElasticEngine(EvalSteps):
                 sizes = split_even(n, count)
         return sizes
 
-    def _prepare_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Right before the update: a host copy of what it changes when it creates optimizer state (those updates
-        allocate the most and are the ones that run out of memory), else only a fingerprint of what it may change,
-        so an OOM before any change replays without a copy. The same decision on every rank (same parameters, same
-        state)."""
-        self.update_protected = self.protect_update and creates_state(optimizer)
-        if self.update_protected:
-            self.snapshot.capture(optimizer)
-            self.snapshot.wait()
-            self.update_snapshot_bytes = self.snapshot.held_bytes
-            self._fingerprint = None
-        else:
-            self.update_snapshot_bytes = 0
-            # One process may repeat an update that changed nothing; under DDP the peers have moved on.
-            self._fingerprint = None if self.agree.enabled else update_fingerprint(optimizer)
+    def _zero_grad_once(self, original: Callable[[], None], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Lightning's zero-grad function (``on_before_zero_grad`` hooks, then ``optimizer_zero_grad``) as its own
+        accumulation runs it: on the first micro-batch of each closure evaluation (gradients add up over the
+        others), once per evaluation of a step: a replay only drops the gradients (an EMA in the hook moves once)."""
+        def zero_grad() -> None:
+            if self.index != 0:
+                return
+            evaluation = self.update.evaluations
+            if evaluation in self._zeroed:
+                optimizer.zero_grad(set_to_none=True)
+                return
+            original()
+            self._zeroed.add(evaluation)
 
-    def _check_replayable(self, optimizer: torch.optim.Optimizer, *, cause: BaseException) -> None:
-        """After an OOM in this rank's update: go on when it can be undone (a snapshot) or repeated (it changed
-        nothing, one process), else end the run with one clear error.
-
-        Under DDP a protected update (one that creates state) is followed by a vote, so the peers roll theirs back
-        too. A steady-state update is not (one collective per step): its OOM ends the run on this rank, and the
-        launcher ends the others (Lightning's launchers and torchrun stop every rank when one fails); a vote here
-        could meet whatever collective a peer makes next and mismatch it."""
-        if self.update_protected:
-            if self.agree.enabled:
-                self.agree.any(True)  # the peers' vote after their update
-            return
-        why = _WHY_STEADY if self.protect_update else _WHY_OFF
-        if self.agree.enabled:
-            raise OutOfMemoryAtMinimumError(_STEADY_OF_A_RANK.format(why=why)) from cause
-        if self._fingerprint is None:  # an update whose changes version counters may not see
-            raise OutOfMemoryAtMinimumError(_UNSEEN.format(name=type(optimizer).__name__, why=why)) from cause
-        if update_fingerprint(optimizer) != self._fingerprint:
-            raise OutOfMemoryAtMinimumError(_HALF_APPLIED.format(why=why)) from cause
+        return zero_grad
 
     def _metric_states(self, module: torch.nn.Module) -> MetricStates:
         """The model's torchmetrics states and norm layers' running statistics now (looked up once per fit)."""
@@ -291,6 +277,8 @@ class ElasticEngine(EvalSteps):
         def run_micro_batches() -> Any:
             total = None
             failure: BaseException | None = None
+            extras: list[Any] = []
+            self.update.evaluation_starts()
             for i in range(len(self.sizes)):
                 self.index = i
                 self.logs.n = self.sizes[i]
@@ -314,6 +302,7 @@ class ElasticEngine(EvalSteps):
                     drain.end()
                 if loss is not None:
                     total = loss if total is None else total + loss
+                    extras.append((closure_extra(closure), self.sizes[i]))
             level = 0 if failure is None else 1 + self._at_floor(self.sizes[0])
             if drain is not None:
                 worst = drain.vote(self.agree, level, optimizer, self.device)
@@ -327,9 +316,12 @@ class ElasticEngine(EvalSteps):
                 # What grows with the micro-batch peaks before the update (whose temporaries do not grow with it:
                 # a parameter-sized set for a foreach AdamW). No reset: a per-step reading of the peak stays the step's.
                 self._closure_load = self.meter.peaks()[1]
-            self._prepare_update(optimizer)
+            self.update.prepare(optimizer, ranks=self.agree.enabled)
             self.phase, self.logs.n = "update", None  # the update's hooks log for the whole step, not a part
-            set_closure_loss(closure, total)
+            if len(extras) > 1 and all(extra for extra, _ in extras):  # outputs besides the loss: the whole batch's
+                set_closure_loss(closure, total, extra=combine_outputs([e for e, _ in extras], [k for _, k in extras]))
+            else:
+                set_closure_loss(closure, total)
             return total
 
         return run_micro_batches
@@ -446,7 +438,8 @@ class ElasticEngine(EvalSteps):
         if micro == self.micro_batch_size:  # (deferred only where shapes do not vary: ``n`` is not read)
             self._over_budget(micro, size, worst_peak, global_step, micro)
 
-    def _record(self, kind: str, step: int, previous: int, new: int, where: str = "", peak: int | None = None) -> None:
+    def _record(self, kind: str, step: int, previous: int, new: int, where: str = "", peak: int | None = None,
+                batch_size: int | None = None) -> None:
         if kind in ("oom", "grow_failed", "eval_oom"):
             self.oom_events += 1
             self.clean_steps = 0
@@ -455,7 +448,8 @@ class ElasticEngine(EvalSteps):
         if kind == "grow_failed":
             self.grow_wait *= 2
         peak = self.meter.peak() if peak is None else peak
-        event = ElasticEvent(kind, step, self.batch_size or 0, previous, new, where, peak)
+        event = ElasticEvent(kind, step, (self.batch_size if batch_size is None else batch_size) or 0, previous, new,
+                             where, peak)
         self.events.append(event)
         del self.events[:-1000]  # keep the checkpoint small on very long runs
         _info(f"autotune: {kind} at step {step} ({where or 'step'}): micro-batch {previous} -> {new}")

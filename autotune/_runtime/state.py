@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -228,12 +228,13 @@ def update_parameters(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and id(p) not in host]
 
 
-def creates_state(optimizer: torch.optim.Optimizer) -> bool:
+def creates_state(optimizer: torch.optim.Optimizer, *, stateless: Collection[int] = ()) -> bool:
     """Whether the next update creates optimizer state: some parameter it changes has none yet (the first update,
-    parameters added or unfrozen later). Such updates allocate the most, so they are the ones that run out of
+    parameters added or unfrozen later), the ids in ``stateless`` aside (parameters a completed update left without
+    state: SGD without momentum keeps none). Such updates allocate the most, so they are the ones that run out of
     memory in practice."""
     state = optimizer.state
-    return any(not state.get(p) for p in update_parameters(optimizer))
+    return any(not state.get(p) and id(p) not in stateless for p in update_parameters(optimizer))
 
 
 def update_fingerprint(optimizer: torch.optim.Optimizer) -> list[Any] | None:

@@ -140,7 +140,7 @@ class SnapshotBytes(Callback):
 
     def on_train_batch_end(self, *args: object) -> None:
         self.copied.append(self.elastic.update_snapshot_bytes)
-        self.held.append(self.elastic.engine.snapshot.held_bytes)
+        self.held.append(self.elastic.engine.update.snapshot.held_bytes)
 
 
 def test_only_updates_that_create_state_are_copied_and_steady_state_copies_nothing() -> None:
