@@ -295,8 +295,8 @@ def test_bad_inputs_raise_value_errors():
         estimate(model=model, batch=batch, plan=Plan(micro_batch_size=17), device="cpu")
     with pytest.raises(ValueError, match="traces precision .* got 'transformer-engine'"):
         estimate(model=model, batch=batch, plan=Plan(precision="transformer-engine"), device="cpu")
-    with pytest.raises(ValueError, match="batch holds no tensor"):
-        estimate(model=model, batch={"ids": ["a"]}, plan=Plan(), device="cpu")
+    with pytest.raises(ValueError, match="batch holds no tensor with a batch dimension nor a list"):
+        estimate(model=model, batch={"ids": "a"}, plan=Plan(), device="cpu")
     with pytest.raises(ValueError, match="budget_bytes must be a positive int of bytes; got 0"):
         max_micro_batch_size(model=model, batch=batch, plan=Plan(), budget_bytes=0, device="cpu")
     model.automatic_optimization = False

@@ -95,7 +95,8 @@ class Traces:
             raise ValueError(f"{type(model).__name__} uses manual optimization, which the estimator cannot trace")
         size = batch_size_of(batch)
         if not size:
-            raise ValueError("batch holds no tensor with a batch dimension; the estimator needs a training batch")
+            raise ValueError("batch holds no tensor with a batch dimension nor a list of numbers or strings; the "
+                             "estimator needs a training batch")
         self.model, self.batch, self.plan, self.optimizer, self.size = model, batch, plan, optimizer, size
         self.device, self.what_if = estimate_device(device)
         self.trace_device = torch.device("cpu") if self.what_if else self.device  # where the fake step runs

@@ -255,3 +255,13 @@ def test_an_error_that_is_not_out_of_memory_is_not_replayed() -> None:
     model.net.forward = lambda x: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access"))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         _fit(model, [ElasticBatchSize(grow=False, micro_batch_size=8)])
+
+
+def test_a_batch_without_tensors_is_estimated_by_its_lists_too() -> None:
+    import autotune
+
+    batch = _texts([(f"{i} {i + 1} {i + 2}", i) for i in range(16)])
+    small, whole = (autotune.estimate(model=Texts(limit=16), batch=batch, plan=autotune.Plan(micro_batch_size=m),
+                                      device="cpu") for m in (4, 16))
+    assert small.micro_batch_size == 4 and whole.micro_batch_size == 16
+    assert 0 < small.activations_bytes < whole.activations_bytes
