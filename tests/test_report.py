@@ -64,7 +64,7 @@ def test_report_never_creates_or_writes_a_storage(tmp_path: Path, capsys: pytest
     not_a_study = tmp_path / "other.db"
     not_a_study.write_bytes(b"not a database")
     assert main(["report", "--storage", f"sqlite:///{not_a_study}"]) == 2
-    assert f"cannot open storage 'sqlite:///{not_a_study}'" in capsys.readouterr().err
+    assert f"storage 'sqlite:///{not_a_study}': '{not_a_study}' is not a SQLite database" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
     assert not_a_study.read_bytes() == b"not a database"
 

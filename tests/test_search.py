@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -190,6 +191,21 @@ def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.Ca
     assert [t.state for t in trials] == [TrialState.FAIL] * 5  # stopped after 5 failures in a row, not 20
 
 
+def test_block_class_names_as_choices_are_searched_without_optuna_s_warning(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text("dimensions:\n  activation_checkpointing: {choices: [[Fan], 0.0]}\n")
+    storage = f"sqlite:///{tmp_path}/s.db"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", str(space), "--trials", "2",
+                     "--storage", storage, "--steps", "2", "--warmup", "1", "--no-progress", "--device", "cpu",
+                     "--out", str(tmp_path / "t.yaml")])
+    assert code == 0
+    assert not [w for w in caught if "categorical distribution" in str(w.message)]
+    trials = trials_of(storage, optuna.get_all_study_names(storage)[0])
+    assert {repr(t.params["activation_checkpointing"]) for t in trials} == {"0.0", "['Fan']"}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -209,6 +225,8 @@ def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.Ca
         (["--seed", "-1"], r"seed -1 is not an integer from 0 to 2\*\*32 - 1"),
         (["--storage", "sqlite:///:memory:"], "storage 'sqlite:///:memory:' keeps nothing once the search ends"),
         (["--storage", "journal:{typo}"], "storage 'journal:.*typo.yaml': .* is not an Optuna journal file"),
+        (["--storage", "journal:{notes}"], "storage 'journal:.*notes.txt': .* is not an Optuna journal file"),
+        (["--storage", "sqlite:///{notes}"], "storage 'sqlite:///.*notes.txt': .* is not a SQLite database"),
         (["--budget", "1000TiB"], r"budget 1000TiB \(1000.00 TiB\) is more than cpu's memory"),
         (["--space", "{twice}"], "space '.*twice.yaml': not valid YAML: key 'precision' appears twice \\(line 3\\)"),
     ],
@@ -219,11 +237,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "typo.yaml").write_text("dimensions:\n  precison: {choices: [32-true]}\n")
     (tmp_path / "twice.yaml").write_text("dimensions:\n  precision: {choices: [32-true]}\n  precision: {choices: []}\n")
+    (tmp_path / "notes.txt").write_text("a user's notes, not a study\n")
     options = {"--target": f"{FIXTURE}:make", "--budget": "2GiB", "--space": "cpu", "--out": "t.yaml",
                "--storage": f"sqlite:///{tmp_path}/s.db", "--trials": "2"}
     for key, value in zip(args[::2], args[1::2]):
         options[key] = value.format(typo=tmp_path / "typo.yaml", missing=tmp_path / "missing",
-                                    twice=tmp_path / "twice.yaml")
+                                    twice=tmp_path / "twice.yaml", notes=tmp_path / "notes.txt")
     argv = ["search", options.pop("--target")] + [x for kv in options.items() for x in kv]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2
@@ -233,6 +252,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys:
 
     assert re.search(message, err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no database, no tuned file
+    assert (tmp_path / "notes.txt").read_text() == "a user's notes, not a study\n"  # a file that is no study: untouched
 
 
 @pytest.mark.slow

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.resources
 import importlib.util
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,15 @@ from autotune._plan.tuned import safe_load_unique
 #: its record).
 SEARCHABLE = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("budget", "devices", "provenance"))
 AUTO = "auto"  # micro_batch_size choice: the largest micro-batch predicted to fit, evened out (equal micro-batches)
+
+
+@contextlib.contextmanager
+def quiet_list_choices() -> Iterator[None]:
+    """Without Optuna's warning that a list (block class names to checkpoint) is a categorical choice it cannot
+    persist: it stores each choice by its index, so such a study saves, resumes and reports as any other."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Choices for a categorical distribution should be")
+        yield
 
 
 class SpaceError(ValueError):

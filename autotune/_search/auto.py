@@ -19,8 +19,17 @@ def shape_key(params: dict[str, Any]) -> tuple[Any, ...]:
         >>> shape_key({"precision": "bf16-mixed", "micro_batch_size": "auto"})
         (('precision', 'bf16-mixed'),)
     """
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # a list of block class names, hashable
-                        for k, v in params.items() if k != "micro_batch_size"))
+    return point_key({k: v for k, v in params.items() if k != "micro_batch_size"})
+
+
+def point_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    """A point's settings, hashable (a list of block class names to checkpoint becomes a tuple).
+
+    Example:
+        >>> point_key({"activation_checkpointing": ["Block"], "precision": "bf16-mixed"})
+        (('activation_checkpointing', ('Block',)), ('precision', 'bf16-mixed'))
+    """
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
 
 
 class AutoMicro:

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget, format_bytes
 from autotune._plan.plan import Plan, Provenance
-from autotune._plan.space import AUTO, SearchSpace, default_space_name, load_space, plan_from_params
+from autotune._plan.space import (
+    AUTO, SearchSpace, default_space_name, load_space, plan_from_params, quiet_list_choices,
+)
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
 from autotune._search.rank import (
@@ -168,6 +170,8 @@ def search(
     verbosity = optuna.logging.get_verbosity()
     runner: _Objective | None = None
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no INFO line per trial; the caller's level comes back
+    quiet = quiet_list_choices()  # block class names as choices: Optuna stores them by index, as it says it will not
+    quiet.__enter__()
     try:
         guided = guided_trials(trials, len(space_obj.seeds))
         # The sampler models the measurements from the first unguided trial on (Optuna's default waits for 10).
@@ -235,6 +239,7 @@ def search(
             runner.close()
         logging.getLogger(OPTUNA_OPTIMIZE).removeFilter(drop_interrupts)
         optuna.logging.set_verbosity(verbosity)
+        quiet.__exit__(None, None, None)
 
 
 def _check_out(out: str | Path | None, *, inputs: dict[str, str | None]) -> Path | None:

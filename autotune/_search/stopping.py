@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from autotune._search.auto import point_key
+
 __all__ = ["MaxMeasured", "OPTUNA_OPTIMIZE", "StopOnFailures", "drop_interrupts", "finished"]
 
 log = logging.getLogger("autotune")
@@ -45,7 +47,7 @@ class MaxMeasured:
 
         # Points, not plans: an 'auto' point tried again at another micro-batch is one point of several plans, and a
         # point whose plan another point measured ('auto' resolving to 16, then 16) is answered by the cache.
-        points = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False, states=_finished_states())}
+        points = {point_key(t.params) for t in study.get_trials(deepcopy=False, states=_finished_states())}
         everything = len(study.get_trials(deepcopy=False, states=(*_finished_states(), TrialState.FAIL)))
         queued = bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
         covered = len(points) >= self.space_size and not queued

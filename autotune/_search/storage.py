@@ -5,6 +5,7 @@ study's identity: its default name and the stamp a resumed study must match."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -39,6 +40,7 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
         if not path:
             raise ValueError(f"storage '{url}' has no file path; expected {_ACCEPTED}")
         _check_place(url, path, must_exist=read_only)
+        _check_content(url, path, journal=True, read_only=read_only)
         from optuna.storages.journal import JournalFileBackend
 
         try:
@@ -51,6 +53,7 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
             raise ValueError(f"storage '{url}' keeps nothing once the search ends, so it cannot be resumed or "
                              f"reported; expected {_ACCEPTED}")
         _check_place(url, path, must_exist=read_only)
+        _check_content(url, path, journal=False, read_only=read_only)
         if read_only:  # SQLite's read-only mode: even a file that is no Optuna study is left as it is
             url = f"sqlite:///file:{os.path.abspath(path)}?mode=ro&uri=true"
     elif not url.startswith(("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://")) or "/" not in url[
@@ -65,8 +68,35 @@ def open_storage(url: str | None, *, read_only: bool = False) -> Any:
         raise ValueError(f"storage '{_redact(shown)}' needs a database driver: {err} "
                          "(pip install 'lightning-autotune[postgres]')") from None
     except Exception as err:  # SQLAlchemy raises many types for a server it cannot reach
-        message = " ".join(str(err).split())[:300]
+        while err.__cause__ is not None or err.__context__ is not None:  # Optuna's wrapper hides the reason
+            err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        message = " ".join(str(err).split("(Background on this error")[0].split())[:300]
         raise ValueError(f"cannot open storage '{_redact(shown)}': {type(err).__name__}: {message}") from None
+
+
+def _check_content(url: str, path: str, *, journal: bool, read_only: bool) -> None:
+    """Refuse a file that is there and not empty but is no Optuna journal (its first line a journal entry) or no
+    SQLite database (its header), before Optuna opens it: a journal is appended to before it is read; and, to read,
+    an empty one."""
+    if not os.path.isfile(path):
+        return
+    if not os.path.getsize(path):
+        if read_only:
+            raise ValueError(f"storage '{url}': '{path}' is empty (no search has used it)")
+        return
+    with open(path, "rb") as f:
+        head = f.readline(1 << 20) if journal else f.read(16)
+    if journal:
+        try:
+            entry = json.loads(head)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict) and "op_code" in entry:
+            return
+    elif head == b"SQLite format 3\x00":
+        return
+    kind = "an Optuna journal file" if journal else "a SQLite database"
+    raise ValueError(f"storage '{url}': '{path}' is not {kind}; give a new path or one a search wrote")
 
 
 def _check_place(url: str, path: str, *, must_exist: bool) -> None:
