@@ -237,6 +237,11 @@ MUTATIONS = (
              "autotune/_runtime/batch.py", "    return None if items is None else len(items)\n",
              "    return None\n",
              (CONTRACT + "test_a_batch_without_tensors_is_split_by_its_per_sample_lists",)),
+    Mutation("norm-stats-kept-in-recompute", "a checkpointed block's recompute does not count in BatchNorm's stats",
+             "autotune/_runtime/blocks.py",
+             '        contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}\n',
+             "        contexts = {}\n",
+             ("tests/test_clients.py::test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload",)),
 )
 
 

@@ -197,11 +197,12 @@ def test_a_client_model_trains_the_same_with_checkpointing_and_activation_offloa
         L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, callbacks=[ApplyPlan(**plan)] if plan else []).fit(
             module, DataLoader(batches, batch_size=None))
-        return [p.detach().clone() for p in module.parameters()]
+        return [t.detach().clone().double() for t in (*module.parameters(), *module.buffers())]
 
     plain = fit()
     applied = fit(activation_checkpointing=0.5, activation_offload=True)
-    assert max(float((a - b).abs().max()) for a, b in zip(plain, applied)) < 1e-5  # fp32 rounding at most
+    # fp32 rounding at most, in the weights and in the buffers (BatchNorm's statistics: a recompute counts once)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, applied)) < 1e-5
     module = Client(name)
     offloaded = estimate(model=module, batch=batches[0], plan=Plan(activation_offload=True), device="cuda")
     kept = estimate(model=module, batch=batches[0], plan=Plan(), device="cuda")

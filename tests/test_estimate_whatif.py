@@ -295,6 +295,9 @@ def test_estimate_at_a_sequence_length_traces_the_batch_cut_or_filled_to_it(caps
     assert peaks["256"] > 3 * peaks["16"]
     assert main(["estimate", padded, "--device", "cuda", "--device-memory", "80GiB", "--seq-len", "0"]) == 2
     assert "--seq-len must be a positive int; got '0'" in capsys.readouterr().err
+    assert main(["estimate", padded, "--device", "cuda", "--device-memory", "80GiB", "--seq-len", str(10**15)]) == 2
+    err = capsys.readouterr().err
+    assert "its batch at that length does not fit in this machine's memory" in err and err.count("\n") == 1
 
 
 def test_a_meta_model_s_cpu_estimate_says_once_where_its_baseline_came_from(capsys, meta_target):

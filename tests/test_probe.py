@@ -154,7 +154,8 @@ def test_cuda_without_cuda_says_so():
         probe_memory("cuda")
 
 
-@pytest.mark.parametrize(("device", "shown"), [("cuda:0", "'cuda:0'"), (0, "0"), (torch.device("cuda", 1), "'cuda:1'")])
+@pytest.mark.parametrize(("device", "shown"), [("cuda:0", "'cuda:0'"), (0, "0"), ("0", "'0'"),
+                                             (torch.device("cuda", 1), "'cuda:1'")])
 def test_any_cuda_device_without_cuda_is_rejected(monkeypatch, device, shown):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=rf"^device {shown} does not exist: CUDA is not available on this machine"):

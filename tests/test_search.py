@@ -186,7 +186,8 @@ def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.Ca
                  "--device", "cpu", "--out", str(tmp_path / "t.yaml")])
     assert code == 1
     err = capsys.readouterr().err
-    assert "no trial measured a peak: 5 failed, the last with RuntimeError: an unrelated bug in this plan" in err
+    assert ("autotune: no plan could be measured: 5 trial(s) failed, none for memory, the last with RuntimeError: "
+            "an unrelated bug in this plan") in err
     trials = trials_of(f"sqlite:///{tmp_path}/s.db", optuna.get_all_study_names(f"sqlite:///{tmp_path}/s.db")[0])
     assert [t.state for t in trials] == [TrialState.FAIL] * 5  # stopped after 5 failures in a row, not 20
 

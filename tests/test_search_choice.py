@@ -155,6 +155,7 @@ def test_runs_combine_to_their_mean_within_the_larger_of_their_precision_and_hal
     assert mean == 101.0 and high - mean == pytest.approx(math.sqrt(200) / 2)  # precision: two runs know more
     assert combine([{"samples_per_second": 100.0, "interval": [99.0, 101.0]},
                     {"samples_per_second": 120.0, "interval": [119.0, 121.0]}]) == (110.0, 100.0, 120.0)  # spread
+    assert combine([{"samples_per_second": 3253.7, "interval": [1000.0, 12000.0]}])[1] == 0.0  # never below 0/s
 
 
 def test_overlapping_contenders_are_measured_again_and_the_mean_decides() -> None:

@@ -31,7 +31,7 @@ def build_search(parser: argparse.ArgumentParser) -> None:
                         help="untimed optimizer steps per trial at least; more while step time settles (default 2)")
     parser.add_argument("--interval", type=_share, default=0.03,
                         help="a trial stops timing once its 95%% interval is within +- this share (default 0.03)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one)")
     parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per trial, for multi-device spaces: DDP, FSDP2 (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 

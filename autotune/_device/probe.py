@@ -83,6 +83,8 @@ def resolve_device(device: DeviceSpec = None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shown = repr(str(device)) if isinstance(device, torch.device) else repr(device)
+    if isinstance(device, str) and device.isdigit():  # "--device 0" on a command line: a CUDA index
+        device = int(device)
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise ValueError(f"device must be {_ACCEPTED_DEVICES}; got {shown}")
     if isinstance(device, int):

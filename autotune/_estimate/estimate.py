@@ -235,6 +235,13 @@ def first_batch(target: Target, *, seq_len: int | None = None) -> Any:
         return with_sequence_length(batch, size, seq_len)
     except ValueError as error:
         raise ValueError(f"--seq-len {seq_len}: target '{target.spec}': {error}") from None
+    except RuntimeError as error:
+        from autotune._device.oom import is_oom_error
+
+        if not is_oom_error(error):
+            raise
+        raise ValueError(f"--seq-len {seq_len}: target '{target.spec}': its batch at that length does not fit in "
+                         f"this machine's memory") from None
 
 
 @dataclass(frozen=True)

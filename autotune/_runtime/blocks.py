@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autotune._compat import is_norm_with_running_stats
+
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the largest set of same-class submodules, none inside another.
@@ -107,6 +109,8 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
     ``gradient_checkpointing_enable()``) is left to its own, not checkpointed twice. A model that keeps a key/value
     cache in training (``config.use_cache``, transformers' default) has it off while blocks are checkpointed: a
     recompute would append the block's keys to the cache a second time, as transformers' own checkpointing knows.
+    The running statistics of a block's BatchNorm and InstanceNorm layers are put back after its recompute, so each
+    training forward counts once in them (as without checkpointing).
     """
     undo: list[tuple[nn.Module, bool, Any]] = []
     configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
@@ -119,11 +123,15 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
         had = "forward" in block.__dict__
         original = block.forward
 
+        norms = [m for m in block.modules() if is_norm_with_running_stats(m)]
+        contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}
+
         @functools.wraps(original)
-        def forward(*args: object, __original: Callable[..., object] = original, **kwargs: object) -> object:
+        def forward(*args: object, __original: Callable[..., object] = original, __contexts: dict = contexts,
+                    **kwargs: object) -> object:
             if not torch.is_grad_enabled():
                 return __original(*args, **kwargs)
-            return checkpoint(__original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(__original, *args, use_reentrant=False, **__contexts, **kwargs)
 
         block.forward = forward  # type: ignore[method-assign]
         undo.append((block, had, original))
@@ -138,6 +146,24 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
                 block.__dict__.pop("forward", None)
 
     return restore
+
+
+def _recompute_keeping_stats(norms: list[nn.Module]) -> tuple[Any, Any]:
+    """``checkpoint``'s ``context_fn``: nothing around the forward; around the recompute, the norm layers' running
+    statistics kept as they were (a recompute is not a second training forward)."""
+    return contextlib.nullcontext(), _stats_kept(norms)
+
+
+@contextlib.contextmanager
+def _stats_kept(norms: list[nn.Module]) -> Iterator[None]:
+    stats = [b for m in norms if m.training for b in m.buffers(recurse=False)]
+    saved = [b.detach().clone() for b in stats]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(stats, saved):
+                b.copy_(s)
 
 
 def compile_blocks(model: nn.Module) -> list[nn.Module]:

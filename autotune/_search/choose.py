@@ -79,7 +79,7 @@ def combine(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
               for r, rate in zip(runs, rates)]
     within = math.sqrt(sum(h * h for h in halves)) / len(runs)
     half = max(within, (max(rates) - min(rates)) / 2)
-    return mean, mean - half, mean + half
+    return mean, max(0.0, mean - half), mean + half  # a throughput is never below 0, however noisy its runs
 
 
 def peak_noise(runs: list[dict[str, Any]]) -> int:

@@ -497,6 +497,9 @@ def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
         failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
         if failed:
             last = failed[-1].user_attrs.get("reason", "no reason recorded")
+            if not any(t.user_attrs.get("status") == "oom" for t in study.get_trials(deepcopy=False)):
+                return (f"no plan could be measured: {len(failed)} trial(s) failed, none for memory, the last with "
+                        f"{last}")
             return f"{head}; no trial measured a peak: {len(failed)} failed, the last with {last}"
         return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
     smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
