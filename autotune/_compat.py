@@ -254,6 +254,16 @@ def cuda_autocast_ops() -> frozenset[str]:
 _CUDA_AUTOCAST_OPS: frozenset[str] | None = None
 
 
+class _NoHook:
+    """A hook handle for a hook never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
                         round_bytes: Callable[[int], int] | None = None) -> Any:
     """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) keeping the whole step's peak only, with
@@ -262,7 +272,10 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
     The subclass overrides ``MemTracker._update_peak_stats`` (upstream's loops over every module per op) and reads
     and writes its ``_curr_mem_snap``, ``_peak_mem`` and ``_peak_mem_snap``. If those changed, ``estimate`` would
     fail or give wrong peaks (the estimator tests compare with profiled peaks); if ``_update_peak_stats`` were
-    renamed, estimates would only get slower. ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
+    renamed, estimates would only get slower. Frozen parameters are entered in ``_param_to_grad_hook_handles`` (with
+    no-op handles) before upstream's ``_track_module_params_and_buffers`` hooks every parameter: if either changed,
+    estimating a model with a frozen parameter would fail again (a test estimates one).
+    ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
     allocated on fake tensors. ``round_bytes`` rounds every storage (CUDA's rules on a CPU trace): it sets the
     ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it.
     """
@@ -273,6 +286,14 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
             if round_bytes is not None:
                 winfo.mem_consumed = round_bytes(winfo.size * winfo.element_size)
             super()._update_snap(flag, winfo, *args, **kwargs)
+
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            # A frozen parameter (a fine-tuned model's backbone) takes no gradient hook: upstream registers one on
+            # every parameter, which raises for those; one entry with no-op handles makes it skip them.
+            for param in module.parameters():
+                if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():

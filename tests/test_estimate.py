@@ -444,3 +444,23 @@ def test_cli_bad_target_is_a_one_line_usage_error(capsys, tmp_path):
 def test_package_exports_the_estimator():
     assert autotune.estimate is estimate and autotune.Estimate is Estimate
     assert {"Estimate", "estimate"} <= set(autotune.__all__)
+
+
+def test_a_model_with_a_frozen_backbone_is_estimated_with_the_head_s_gradients_and_state_only():
+    class FineTuned(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = nn.Linear(64, 64), nn.Linear(64, 1)
+            self.backbone.requires_grad_(False)
+
+        def training_step(self, batch, batch_idx):
+            return self.head(self.backbone(batch)).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad])
+
+    for trace in ("auto", "real"):
+        est = estimate(model=FineTuned(), batch=torch.randn(8, 64), plan=Plan(), device="cpu", trace=trace)
+        assert est.parameters_bytes == (64 * 64 + 64 + 64 + 1) * 4
+        assert est.gradients_bytes == (64 + 1) * 4  # two moments, and a step count per tensor:
+        assert est.optimizer_state_bytes == 2 * (64 + 1) * 4 + 2 * 4
