@@ -239,9 +239,14 @@ MUTATIONS = (
              (CONTRACT + "test_a_batch_without_tensors_is_split_by_its_per_sample_lists",)),
     Mutation("norm-stats-kept-in-recompute", "a checkpointed block's recompute does not count in BatchNorm's stats",
              "autotune/_runtime/blocks.py",
-             '        contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}\n',
-             "        contexts = {}\n",
+             '            contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}\n',
+             "            contexts = {}\n",
              ("tests/test_clients.py::test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload",)),
+    Mutation("checkpoint-wrapper-bound-to-its-block", "a copy of a checkpointed model computes with its own weights",
+             "autotune/_runtime/blocks.py",
+             "        bound = isinstance(original, types.MethodType) and original.__self__ is block\n",
+             "        bound = False\n",
+             ("tests/callbacks/test_apply_plan.py::test_a_copy_of_a_checkpointed_model_computes_with_its_own_weights",)),
 )
 
 

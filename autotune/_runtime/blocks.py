@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -122,18 +123,20 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
             continue  # its own checkpointing is on
         had = "forward" in block.__dict__
         original = block.forward
+        # Bound to the block, calling its class's forward on it: a deep copy (an EMA of the model) computes with its
+        # own weights, not with this block's.
+        bound = isinstance(original, types.MethodType) and original.__self__ is block
 
-        norms = [m for m in block.modules() if is_norm_with_running_stats(m)]
-        contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}
-
-        @functools.wraps(original)
-        def forward(*args: object, __original: Callable[..., object] = original, __contexts: dict = contexts,
-                    **kwargs: object) -> object:
+        def forward(self: nn.Module, *args: object, __original: Callable[..., object] = (
+                original.__func__ if bound else original), __bound: bool = bound, **kwargs: object) -> object:
+            run = functools.partial(__original, self) if __bound else __original
             if not torch.is_grad_enabled():
-                return __original(*args, **kwargs)
-            return checkpoint(__original, *args, use_reentrant=False, **__contexts, **kwargs)
+                return run(*args, **kwargs)
+            norms = [m for m in self.modules() if is_norm_with_running_stats(m)]
+            contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}
+            return checkpoint(run, *args, use_reentrant=False, **contexts, **kwargs)
 
-        block.forward = forward  # type: ignore[method-assign]
+        block.forward = types.MethodType(functools.wraps(original)(forward), block)  # type: ignore[method-assign]
         undo.append((block, had, original))
 
     def restore() -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from autotune._runtime.blocks import find_blocks, select_blocks
+from autotune._runtime.blocks import checkpoint_blocks, find_blocks, select_blocks
 from autotune.callbacks import ApplyPlan, ElasticBatchSize, apply_plan
 from tests.callbacks.toy import trainer
 
@@ -450,3 +450,20 @@ def test_optimizer_offload_lowers_cuda_memory() -> None:
     state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters() if p.numel() >= 4096)  # exp_avg, exp_avg_sq
     assert offloaded.kept <= plain.kept - 0.9 * state_bytes
     assert offloaded.peak <= plain.peak - 0.9 * state_bytes
+
+
+def test_a_copy_of_a_checkpointed_model_computes_with_its_own_weights() -> None:
+    """An EMA of the model (Lightning's EMAWeightAveraging deep-copies it) taken while blocks are checkpointed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    checkpoint_blocks([model[0], model[2]], model=model)
+    copy = __import__("copy").deepcopy(model)
+    x = torch.randn(2, 8, requires_grad=True)
+    before = copy(x).detach().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert torch.equal(copy(x).detach(), before)  # with and without grad: checkpointed and not
+    with torch.no_grad():
+        assert torch.equal(copy(x), before)
+
