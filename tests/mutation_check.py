@@ -247,6 +247,10 @@ MUTATIONS = (
              "        bound = isinstance(original, types.MethodType) and original.__self__ is block\n",
              "        bound = False\n",
              ("tests/callbacks/test_apply_plan.py::test_a_copy_of_a_checkpointed_model_computes_with_its_own_weights",)),
+    Mutation("encoder-and-decoder-layers-join", "an encoder-decoder's two kinds of layer are both checkpointed",
+             "autotune/_runtime/blocks.py", "        if (authors or cls in stacked) and all(",
+             "        if not authors and cls in stacked and all(",
+             ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
 )
 
 

@@ -187,6 +187,16 @@ def test_the_blocks_found_are_the_model_s_own_unit(name: str) -> None:
     assert {type(b).__name__ for b in blocks} == {BLOCKS[name][0]} and len(blocks) == BLOCKS[name][1]
 
 
+@pytest.mark.parametrize(("encoder", "decoder"), [(2, 2), (3, 2)])
+def test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks(encoder: int, decoder: int) -> None:
+    """Bart's (Marian's, Whisper's) encoder and decoder layers are two classes, each with its own switch."""
+    config = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=encoder, decoder_layers=decoder,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=32)
+    blocks = find_blocks(transformers.BartForConditionalGeneration(config))
+    assert [type(b).__name__ for b in blocks] == ["BartEncoderLayer"] * encoder + ["BartDecoderLayer"] * decoder
+
+
 @pytest.mark.parametrize("name", sorted(CLIENTS))
 def test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload(name: str) -> None:
     batches = [CLIENTS[name][1](4, seed) for seed in range(2)]

@@ -27,8 +27,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     only those classes are candidates: the model's authors' unit of recomputation. Else, where some classes are
     *stacked* (their instances are the items of an ``nn.ModuleList`` or ``nn.Sequential``, as layers are), only
     those are: ``torch.nn.Transformer``'s encoder and decoder layers, not the six attention modules inside them that
-    the count alone would pick; and the other stacked classes whose instances lie apart from the winner's join it
-    (the encoder's layers beside the decoder's).
+    the count alone would pick. The other candidate classes whose instances lie apart from the winner's join it
+    (the encoder's layers beside the decoder's, stacked or declaring their own switch).
 
     Example:
         >>> class Block(nn.Sequential): ...
@@ -65,12 +65,13 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     ranked = sorted(candidates, key=lambda c: (len(candidates[c]), sum(p.numel() for m in candidates[c]
                                                                       for p in m.parameters())), reverse=True)
     chosen = list(candidates[ranked[0]])
-    if not authors:  # other stacked classes apart from the chosen blocks (neither inside nor around them) join them
-        for cls in ranked[1:]:
-            if cls in stacked and all(_apart(m, b) for m in candidates[cls] for b in chosen):
-                chosen += candidates[cls]
-        order = {id(m): i for i, m in enumerate(model.modules())}
-        chosen.sort(key=lambda m: order[id(m)])
+    # Other candidate classes apart from the chosen blocks (neither inside nor around them) join them: an encoder's
+    # layers beside the decoder's (Bart's, Whisper's), stacked or declaring their own switch.
+    for cls in ranked[1:]:
+        if (authors or cls in stacked) and all(_apart(m, b) for m in candidates[cls] for b in chosen):
+            chosen += candidates[cls]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    chosen.sort(key=lambda m: order[id(m)])
     return chosen
 
 
