@@ -86,6 +86,8 @@ def test_equal_plans_have_equal_keys_and_distinct_plans_do_not() -> None:
     assert Plan(budget=4 * 2**30).key() == Plan(budget="4294967296").key()
     assert Plan(budget="4 GiB").key() == Plan(budget="4GiB").key()
     assert Plan(activation_checkpointing=["Block"]).key() == Plan(activation_checkpointing=("Block",)).key()
+    assert (Plan(micro_batch_size=8, micro_batch_sample_size=512).key()
+            == Plan(micro_batch_size=8, micro_batch_sample_size=512.0).key())
     assert Plan(pin_memory=False).key() != Plan(pin_memory=None).key()  # the same describe() text, other plans
 
 
@@ -102,3 +104,10 @@ def test_apply_plan_refuses_a_newer_tuned_file_on_the_lightning_cli_path() -> No
     # LightningCLI builds ApplyPlan from the tuned file's init_args: the version is checked there too.
     with pytest.raises(ValueError, match=r"provenance.format_version: 9 is newer than this lightning-autotune reads"):
         ApplyPlan(provenance={"format_version": 9})
+
+
+def test_a_command_with_a_newline_is_one_header_line_of_a_file_that_loads(tmp_path) -> None:
+    path = Plan(micro_batch_size=8).save(tmp_path / "t.yaml", command="autotune search t.py:make --study 'run 1\nretry'")
+    assert load_plan(path).micro_batch_size == 8
+    assert "# Produced by: autotune search t.py:make --study 'run 1 retry'" in path.read_text().splitlines()
+

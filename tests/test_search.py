@@ -412,7 +412,8 @@ def test_search_gives_back_optuna_s_log_level(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(tmp_path: Path) -> None:
+def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import os
     import signal
     import time
@@ -448,6 +449,8 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
                            "interrupted trial runs again)")
     [stopped] = [t for t in trials_of(storage, "s") if t.user_attrs.get("status") == "interrupted"]
     assert stopped.state == TrialState.FAIL
+    assert main(["report", "--storage", storage, "--study", "s"]) == 0  # says why it failed
+    assert "interrupted (Ctrl-C or a lost worker); a resumed search runs it again" in capsys.readouterr().out
 
     done = subprocess.run([*command, "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]

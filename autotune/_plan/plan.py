@@ -198,8 +198,9 @@ class Plan:
                            tuple(ckpt) if isinstance(ckpt, (list, tuple)) else float(ckpt))
         if self.budget is not None:
             object.__setattr__(self, "budget", str(Budget.parse(self.budget)))
-        if self.compile_memory_budget is not None:
-            object.__setattr__(self, "compile_memory_budget", float(self.compile_memory_budget))
+        for name in ("compile_memory_budget", "micro_batch_sample_size"):  # 512 and 512.0: one plan, one key
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
 
     # ------------------------------------------------------------------------------------------ canonical form
     def to_dict(self) -> dict[str, Any]:

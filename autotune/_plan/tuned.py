@@ -63,7 +63,8 @@ def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, A
     comment on each setting (none inside the provenance)."""
     lines = [f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION})."]
     if command or provenance.get("command"):
-        lines.append(f"# Produced by: {command or provenance['command']}")
+        produced = " ".join(str(command or provenance["command"]).splitlines())  # one comment line, whatever argv held
+        lines.append(f"# Produced by: {produced}")
     measured = _measured(provenance)
     if measured:
         lines.append("# Measured: " + ", ".join(measured))

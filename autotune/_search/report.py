@@ -48,7 +48,9 @@ def _rows(study: Any) -> list[dict[str, Any]]:
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
             "interval": attrs.get("interval"), "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
-            "reason": attrs.get("reason", ""), "chosen": choice.get("trial") == t.number,
+            "reason": attrs.get("reason") or ("interrupted (Ctrl-C or a lost worker); a resumed search runs it again"
+                                              if attrs.get("status") == "interrupted" else ""),
+            "chosen": choice.get("trial") == t.number,
             "predicted_peak_bytes": attrs.get("predicted_peak_bytes"), "estimate_method": attrs.get("estimate_method"),
             "allocated_peak_bytes": attrs.get("allocated_peak_bytes"), "context_bytes": attrs.get("context_bytes"),
             "predicted_tensor_bytes": attrs.get("predicted_tensor_bytes"),
