@@ -27,6 +27,16 @@ def test_binary_space_and_tuned_files_name_the_file(tmp_path: Path) -> None:
         load_plan(tmp_path / "t.yaml")
 
 
+def test_malformed_yaml_in_a_space_or_a_tuned_file_is_placed_by_line_and_column(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("dimensions:\n  precision: {choices: [32-true, bf16-mixed}\n")
+    with pytest.raises(SpaceError, match=r"space '.*s.yaml': not valid YAML: .* at line 2, column \d+ \(while "):
+        load_space(str(tmp_path / "s.yaml"))
+    (tmp_path / "t.yaml").write_text("trainer:\n\tprecision: bf16-mixed\n")
+    with pytest.raises(PlanFileError, match=r"t.yaml: cannot read the tuned file as YAML text: found character "
+                                            r"'\\t' that cannot start any token at line 2, column 1"):
+        load_plan(tmp_path / "t.yaml")
+
+
 def test_a_tuned_file_with_keys_lightning_would_refuse_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
     Plan(micro_batch_size=4).save(path)

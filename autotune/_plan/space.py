@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from autotune._plan.plan import Plan, field_problems
-from autotune._plan.tuned import safe_load_unique
+from autotune._plan.tuned import safe_load_unique, yaml_problem
 
 #: Plan fields a space may search (the budget is the search's constraint, the devices its argument, the provenance
 #: its record).
@@ -180,7 +180,7 @@ def load_space(spec: str | Path) -> SearchSpace:
     try:
         doc = safe_load_unique(text)
     except yaml.YAMLError as err:
-        raise SpaceError(f"space '{name}': not valid YAML: {str(err).splitlines()[0]}") from None
+        raise SpaceError(f"space '{name}': not valid YAML: {yaml_problem(err)}") from None
     problems: list[str] = []
     space = _parse(name, doc, problems)
     if problems or space is None:

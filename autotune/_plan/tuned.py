@@ -155,7 +155,7 @@ def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], l
     except FileNotFoundError:
         raise PlanFileError(f"{path}: the tuned file does not exist") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise PlanFileError(f"{path}: cannot read the tuned file as YAML text: {str(err).splitlines()[0]}") from None
+        raise PlanFileError(f"{path}: cannot read the tuned file as YAML text: {yaml_problem(err)}") from None
     problems: list[str] = []
     where: dict[str, str] = {}
     return _collect_fields(doc, problems, where), where, problems
@@ -268,6 +268,23 @@ def _mapping_without_repeats(loader: _UniqueKeys, node: yaml.MappingNode, deep: 
 
 
 _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
+
+
+def yaml_problem(err: BaseException) -> str:
+    """A YAML error in one line, with its line and column where PyYAML knows them.
+
+    Example:
+        >>> try:
+        ...     safe_load_unique("a: [1, 2\nb: 3")
+        ... except yaml.YAMLError as err:
+        ...     print(yaml_problem(err))
+        expected ',' or ']', but got ':' at line 2, column 2 (while parsing a flow sequence)
+    """
+    mark = getattr(err, "problem_mark", None)
+    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
+    if mark is None or not problem:
+        return " ".join(str(err).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" + (f" ({context})" if context else "")
 
 
 def safe_load_unique(text: str) -> Any:
