@@ -23,7 +23,8 @@ def build_search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="stop starting trials after SECONDS")
     parser.add_argument("--storage", default=None, help="sqlite:///PATH (default sqlite:///autotune.db), "
                         "journal:PATH, or postgresql://USER:PASSWORD@HOST/DB")
-    parser.add_argument("--study", default=None, help="study name (default: derived from target, budget, space)")
+    parser.add_argument("--study", default=None,
+                        help="study name (default: derived from target, budget, space and device)")
     parser.add_argument("--out", default="tuned.yaml", help="where to write the best plan (default tuned.yaml)")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per trial at most (default 20)")
