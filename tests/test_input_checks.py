@@ -109,3 +109,5 @@ def test_an_estimate_budget_above_the_devices_memory_is_refused() -> None:
         budget_in_bytes(Budget.parse("200GiB"), torch.device("cuda"), what_if=True, device_memory=80 * 2**30)
     assert budget_in_bytes(Budget.parse("60GiB"), torch.device("cuda"), what_if=True,
                            device_memory=80 * 2**30) == 60 * 2**30
+    with pytest.raises(ValueError, match=r"budget 1000TiB is more than the device's memory \("):  # this host's
+        budget_in_bytes(Budget.parse("1000TiB"), torch.device("cpu"), what_if=False, device_memory=None)

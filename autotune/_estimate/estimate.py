@@ -206,9 +206,10 @@ def budget_in_bytes(budget: Budget | None, device: torch.device, *, what_if: boo
             raise ValueError(f"the device's memory must exceed the CUDA context ({context} bytes); got "
                              f"{device_memory!r}")
         return device_memory - context
-    if budget.kind == "bytes":
-        if device_memory is not None and int(budget.value) > device_memory:  # type: ignore[arg-type]
-            raise ValueError(f"budget {budget.text} is more than the device's memory ({format_bytes(device_memory)}); "
+    if budget.kind == "bytes":  # at most the device's memory: the one given, else this machine's device's
+        limit = device_memory if device_memory is not None or what_if else probe_memory(device).total_bytes
+        if limit is not None and int(budget.value) > limit:  # type: ignore[arg-type]
+            raise ValueError(f"budget {budget.text} is more than the device's memory ({format_bytes(limit)}); "
                              "give at most that, or a share (0.8)")
         return int(budget.value)  # type: ignore[arg-type]
     if device_memory is not None:  # a CUDA context takes its share before anything is allocated
