@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from autotune._version import __version__
 from autotune._cli import search as _cli_search
 from autotune._device.budget import format_bytes
-from autotune._plan.space import quiet_list_choices
 
 if TYPE_CHECKING:
     from autotune._device.probe import MemoryProbe
@@ -375,8 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return _EXIT_USAGE
     try:
-        with quiet_list_choices():
-            return args.action(args)
+        return args.action(args)
     except ValueError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message holds
         print(f"{_PROG}: error: {message}", file=sys.stderr)

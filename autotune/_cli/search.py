@@ -146,11 +146,13 @@ def run_report(args: argparse.Namespace) -> int:
         raise ValueError("the report's plots (--out) need matplotlib: pip install 'lightning-autotune[report]'")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out '{args.out}' is a file; the report writes its plots into a folder")
+    from autotune._plan.space import quiet_list_choices
     from autotune._search.report import load_study, trial_table, write_plots
 
-    study = load_study(storage=args.storage, study=args.study)
-    print(trial_table(study))
-    if args.out:
-        for path in write_plots(study, args.out):
-            print(f"wrote {path}")
+    with quiet_list_choices():  # a study whose choices are lists of block class names
+        study = load_study(storage=args.storage, study=args.study)
+        print(trial_table(study))
+        if args.out:
+            for path in write_plots(study, args.out):
+                print(f"wrote {path}")
     return _EXIT_OK
