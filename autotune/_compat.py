@@ -136,6 +136,30 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     torch.cuda.memory._dump_snapshot(path)
 
 
+def ddp_buffers_due(ddp: Any) -> bool:
+    """Whether DDP's next forward would broadcast rank 0's buffers (``DistributedDataParallel.
+    will_sync_module_buffers()``: its ``require_forward_param_sync`` flag, set by a forward with gradient sync on, and
+    ``broadcast_buffers`` with buffers to send; undocumented). If it went away, ``ElasticBatchSize`` would fail at its
+    first DDP step; if it changed meaning, buffers would be broadcast more or less often than in Lightning's own
+    accumulation (``tests/runtime/test_ranks.py`` compares BatchNorm's statistics with it)."""
+    return bool(ddp.will_sync_module_buffers())
+
+
+def set_ddp_buffers_due(ddp: Any, due: bool) -> None:
+    """Set whether DDP's next forward broadcasts buffers (``DistributedDataParallel.require_forward_param_sync``,
+    which its ``_post_forward`` sets after each forward: a forward that raises skips it and leaves the flag as it
+    was, on that rank only). If DDP read another flag, a replayed forward could broadcast on one rank alone and
+    every rank would hang."""
+    ddp.require_forward_param_sync = due
+
+
+def sync_ddp_buffers(ddp: Any) -> None:
+    """Broadcast rank 0's buffers as DDP's forward does (``DistributedDataParallel._sync_buffers``: its buffer
+    hooks, join and bucket size included). If it went away, ``ElasticBatchSize`` would fail at its first DDP step of a
+    model with buffers; the public route, a forward with sync on, would reduce gradients too."""
+    ddp._sync_buffers()
+
+
 def fsdp_comms(module: Any) -> tuple[Any, Any] | None:
     """The all-gather and reduce-scatter an FSDP2 unit issues its collectives through (``FSDPParamGroup.
     _all_gather_comm`` / ``_reduce_scatter_comm`` of its ``_get_fsdp_state()._fsdp_param_groups``), or None for a

@@ -21,6 +21,7 @@ from autotune._compat import BATCH_TRANSFER_HANDLER, batch_transfer_handler, is_
 from autotune._device.budget import Budget, format_bytes
 from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine
+from autotune._runtime.policy import Memory, MicroBatchPolicy
 from autotune._device.probe import probe_memory
 
 log = logging.getLogger("autotune")
@@ -144,7 +145,7 @@ class ElasticBatchSize(Callback):
     @property
     def budget_bytes(self) -> int | None:
         """The budget resolved against the device at ``setup`` (None without a budget)."""
-        return self.engine.budget_bytes if self.engine is not None else None
+        return self.engine.policy.memory.budget_bytes if self.engine is not None else None
 
     # ----------------------------------------------------------------------------------------------- set up
     @property
@@ -175,22 +176,26 @@ class ElasticBatchSize(Callback):
             )
         device = trainer.strategy.root_device
         budget_bytes, limit = self._resolve_budget(device)
-        self.engine = ElasticEngine(
+        hard = device.type == "cuda"
+        policy = MicroBatchPolicy(
             micro_batch_size=self._start_micro_batch_size,
             min_micro_batch_size=self.min_micro_batch_size,
             grow=self.grow,
             grow_after=self.grow_after,
+            memory=Memory(budget_bytes=budget_bytes, limit_bytes=limit, hard=hard,
+                          budget_text=None if self.budget is None else str(self.budget)),
+            sample_size=self.sample_size,
+            micro_batch_sample_size=self.micro_batch_sample_size,
+            rank=trainer.global_rank if trainer.world_size > 1 else None,
+        )
+        self.engine = ElasticEngine(
+            policy=policy,
             protect_update=self.protect_update,
-            budget_bytes=budget_bytes,
-            budget_text=None if self.budget is None else str(self.budget),
-            hard_budget=device.type == "cuda",
-            limit_bytes=limit,
             device=device,
             world_size=trainer.world_size,
             log_fn=pl_module.log,
             sharded=isinstance(trainer.strategy, ModelParallelStrategy),
-            sample_size=self.sample_size,
-            micro_batch_sample_size=self.micro_batch_sample_size,
+            collectives=any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()),
         )
         self.engine.logs.owner = pl_module
         if self._pending_state is not None:
@@ -273,6 +278,8 @@ class ElasticBatchSize(Callback):
                 self._patch(pl_module, name, _eval_wrapper(engine, stage, original, pl_module))
 
     def _uninstall(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         for obj, name, had, value in reversed(self._restore):
             if had:
                 obj.__dict__[name] = value

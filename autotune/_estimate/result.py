@@ -16,7 +16,7 @@ import torch
 from autotune._device.probe import DeviceSpec, resolve_device
 from autotune._estimate.sharding import rank_state
 from autotune._plan.plan import Plan
-from autotune._runtime.agreement import GRADIENT_BUCKET_BYTES
+from autotune._runtime.gradients import GRADIENT_BUCKET_BYTES
 
 __all__ = ["CATEGORIES", "Estimate", "Phase", "Traced", "estimate_device", "largest_fitting"]
 

@@ -1,46 +1,80 @@
-"""The few collectives that keep ranks in step under DDP: votes, and gradients averaged in flat buckets."""
+"""The collectives that keep ranks in step: the step's vote, the guard before a collective inside a micro-batch, and
+small agreements (a count, a flag).
+
+Every attempt at a step ends, on every rank, in one **vote**: an all-reduce (maximum) of one vector whatever happened
+on the rank: its micro-batches ran, it ran out of memory in one of them or before them, or another rank's failure
+stopped it. A collective the model makes inside a micro-batch (SyncBatchNorm, a metric synced on step, expert or
+tensor-parallel layers) is preceded by a **guard**: the same all-reduce, of the same vector, marked "still inside its
+micro-batches". A rank that failed is in its vote while its peers stand at a guard: the two meet in one all-reduce,
+the peers learn of the failure before they enter a collective the failed rank will never join, stop, and vote in
+turn. A vote is repeated until no rank is still inside its micro-batches, so every rank leaves with the same result.
+Without such collectives a step that no rank fails costs this one vote.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from autotune._device.oom import is_oom_error
+#: Where a rank at its minimum failed, as the vote carries it.
+_WHERE = ("", "closure", "update")
+#: The vote's slots (the header); DDP appends one per parameter: whether it got a gradient on some rank.
+_FAILED, _FLOOR_RANK, _FLOOR_MICRO, _FLOOR_WHERE, _FLOOR_PEAK, _INSIDE, _DONE, _LEFT, _COLLECTIVES, _BATCH, _NEG = \
+    range(11)
+HEADER = 11
 
 
 class PeerOutOfMemory(RuntimeError):
-    """Raised on ranks that did not run out of memory themselves when another rank did; ``fatal`` when that rank was
-    at its minimum micro-batch (it ends the run, and so do its peers, rather than wait for it in the next step)."""
+    """Raised on a rank that did not run out of memory itself when another rank did (or, ``left``, when another rank
+    left its micro-batches while this one had a collective to make: their splits differed)."""
 
-    def __init__(self, *, fatal: bool = False) -> None:
-        at = " at its minimum micro-batch" if fatal else ""
-        super().__init__(f"another rank ran out of memory in this step{at}")
-        self.fatal = fatal
+    def __init__(self, *, left: bool = False) -> None:
+        super().__init__("another rank left its micro-batches before this rank's collective" if left
+                         else "another rank ran out of memory in this step")
+        self.left = left
+
+
+class Failure(NamedTuple):
+    """This rank's part of a vote: whether it ran out of memory, and at its minimum micro-batch (``micro``, ``where``,
+    ``peak`` then say how)."""
+
+    failed: bool = False
+    at_floor: bool = False
+    micro: int = 0
+    where: str = ""
+    peak: int = 0
+
+
+class Verdict(NamedTuple):
+    """What every rank learns from a vote."""
+
+    failed: bool  # some rank ran out of memory: every rank replays
+    floor_rank: int | None  # the rank that failed at its minimum micro-batch (the run ends on every rank), or None
+    floor_micro: int
+    floor_where: str
+    floor_peak: int
+    left: bool  # a rank had a collective to make after another left its micro-batches (their splits differed)
+    collectives: bool  # some rank made collectives of its own inside its micro-batches
+    same_batch: bool  # every rank had a batch of the same size
+    used: list[bool]  # which parameters got a gradient on some rank (DDP)
+
+    @property
+    def replay(self) -> bool:
+        return self.failed or self.left
 
 
 class Agreement:
-    """The collectives that keep ranks in step; everything is local when there is one process.
-
-    A step that no rank fails costs one small collective, :meth:`vote`, besides the gradients' own all-reduces:
-    micro-batches run under ``no_sync`` (no collective in them), so a rank that runs out of memory in one stops
-    there and brings its failure to the vote, which every rank reaches before any gradient collective.
-    """
+    """The collectives that keep ranks in step; everything is local when there is one process."""
 
     def __init__(self, device: torch.device, world_size: int) -> None:
         self.enabled = world_size > 1 and dist.is_available() and dist.is_initialized()
         self.device = device
+        self.rank = dist.get_rank() if self.enabled else 0
         self.votes = 0  # collectives made to agree (not the gradients' all-reduces), for benchmarks and tests
-        self._buffers: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._expected: list[bool] | None = None  # which parameters the last step reduced
-        self._prepared: list[bool] | None = None  # what this step's vote prepared for
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any rank."""
-        if not self.enabled:
-            return flag
-        return self.max(1.0 if flag else 0.0)[0] > 0
+        self.width = HEADER  # the vote's length this step (a guard sends as many values)
+        self.guards = 0  # guards passed in this attempt
 
     def max(self, *values: float) -> list[float]:
         """The element-wise maximum of ``values`` over ranks."""
@@ -52,132 +86,67 @@ class Agreement:
         self.votes += 1
         return t.tolist()
 
-    def vote(self, params: list[torch.nn.Parameter], *, failed: int, batch_size: int,
-             shaped: bool, peak: int = 0) -> tuple[int, bool, list[bool], bool, int]:
-        """The step's one agreement, before any gradient collective: the worst ``failed`` of the ranks (0: none ran out
-        of memory, 1: one did, 2: one did at its minimum micro-batch),
-        whether every rank had a batch of ``batch_size`` samples, which parameters got a gradient on some rank, and
-        whether any rank is ``shaped`` (its batches' sample sizes vary: it splits by its own shape), and the largest
-        ``peak`` (the last step's, which a soft budget checks one step late rather than in a collective of its own).
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        return self.max(1.0 if flag else 0.0)[0] > 0 if self.enabled else flag
 
-        Gradients of parameters that were reduced last step but have none here are made zeros before the vote, and
-        the bucket buffers sized, so the usual step allocates nothing after it; an OOM doing so is this rank's
-        failure, voted like any other.
-        """
-        local = [p.grad is not None for p in params]
-        made: list[torch.nn.Parameter] = []
-        self._prepared = None
-        if not failed:
-            try:
-                self._prepared = self._expected or local
-                made = self._prepare(params, self._prepared)
-            except BaseException as exc:
-                if not is_oom_error(exc):
-                    raise
-                failed = max(failed, 1)
-        values = [float(failed), float(batch_size), float(-batch_size), float(shaped), float(peak),
-                  *(1.0 if used else 0.0 for used in local)]
-        reduced = self.max(*values)
-        any_failed, most, least, any_shaped = int(reduced[0]), int(reduced[1]), int(-reduced[2]), reduced[3] > 0
-        worst_peak = int(reduced[4])
-        used = [u > 0 for u in reduced[5:]]
-        index = {id(p): i for i, p in enumerate(params)} if made else {}
-        for p in made:
-            if not used[index[id(p)]]:
-                p.grad = None  # a zero made for a parameter no rank used this step: leave it out, as DDP does
-        return any_failed, most == least, used, any_shaped, worst_peak
+    def start_attempt(self, width: int) -> None:
+        """An attempt begins: its vote (and every guard in it) carries ``width`` values."""
+        self.width = width
+        self.guards = 0
 
-    def _prepare(self, params: list[torch.nn.Parameter], used: list[bool]) -> list[torch.nn.Parameter]:
-        """Zeros for the gradients of ``used`` parameters that have none, and bucket buffers for the ``used``
-        gradients; returns the parameters given a zero gradient."""
-        made = []
-        for p, needed in zip(params, used):
-            if needed and p.grad is None:
-                p.grad = torch.zeros_like(p)
-                made.append(p)
-        self._ensure_bucket_buffers(make_buckets([p.grad for p, needed in zip(params, used) if needed],
-                                                 GRADIENT_BUCKET_BYTES))
-        return made
-
-    def average_gradients(self, params: list[torch.nn.Parameter], used: list[bool]) -> None:
-        """Average the ``used`` parameters' gradients over ranks as DDP does (divide by world size, then sum).
-
-        Like DDP, gradients travel in flat buckets of about ``GRADIENT_BUCKET_BYTES``, two in flight, through buffers
-        kept from step to step. When the set of parameters used changed since the last step, what it needs is
-        allocated now and the ranks agree on it once more before the all-reduces (no rank is left in one alone).
-        """
+    def guard(self) -> None:
+        """Before a collective inside a micro-batch: one all-reduce of the vote's shape, marked inside. Raises
+        :class:`PeerOutOfMemory` when another rank failed or left its micro-batches: it will not join the collective."""
         if not self.enabled:
             return
-        if used != self._prepared:
-            failed = False
-            try:
-                self._prepare(params, used)
-            except BaseException as exc:
-                if not is_oom_error(exc):
-                    raise
-                failed = True
-            if self.any(failed):
-                raise torch.OutOfMemoryError("out of memory materializing gradients") if failed else PeerOutOfMemory()
-        self._expected = used
-        buckets = make_buckets([p.grad for p, needed in zip(params, used) if needed], GRADIENT_BUCKET_BYTES)
-        world = dist.get_world_size()
-        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        slots: dict[tuple[torch.dtype, torch.device], int] = {}
-        for bucket in buckets:
-            if len(bucket) == 1:
-                flat = bucket[0]  # one large tensor: reduced in place
-            else:
-                key = (bucket[0].dtype, bucket[0].device)
-                slot = slots[key] = (slots.get(key, -1) + 1) % len(self._buffers[key])
-                for work in [w for w in pending if w[1].data_ptr() == self._buffers[key][slot].data_ptr()]:
-                    _finish(*work)  # the buffer's previous bucket is back
-                    pending.remove(work)
-                flat = self._buffers[key][slot][: sum(g.numel() for g in bucket)]
-                torch.cat([g.reshape(-1) for g in bucket], out=flat)
-            flat.div_(world)
-            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
-        for work in pending:
-            _finish(*work)
+        values = [0.0] * self.width
+        values[_INSIDE] = values[_COLLECTIVES] = 1.0
+        values[_NEG] = -float("inf")
+        reduced = self.max(*values)
+        self.guards += 1
+        if reduced[_FAILED] > 0:
+            raise PeerOutOfMemory()
+        if reduced[_DONE] > 0:
+            raise PeerOutOfMemory(left=True)
 
-    def _ensure_bucket_buffers(self, buckets: list[list[torch.Tensor]]) -> None:
-        """Two buffers per dtype and device (one when a single bucket has it), each as large as its largest bucket."""
-        needed: dict[tuple[torch.dtype, torch.device], tuple[int, int]] = {}  # key -> (largest numel, buckets)
-        for bucket in buckets:
-            if len(bucket) > 1:
-                key = (bucket[0].dtype, bucket[0].device)
-                numel, count = needed.get(key, (0, 0))
-                needed[key] = (max(numel, sum(g.numel() for g in bucket)), count + 1)
-        for key, (numel, count) in needed.items():
-            have = self._buffers.get(key)
-            if have is None or have[0].numel() < numel or len(have) < min(2, count):
-                self._buffers[key] = [torch.empty(numel, dtype=key[0], device=key[1]) for _ in range(min(2, count))]
+    def vote(self, failure: Failure, *, left: bool = False, batch_size: int = 0,
+             used: list[bool] | None = None) -> Verdict:
+        """The attempt's vote: this rank's ``failure`` (or ``left``: another rank's failure or departure stopped it),
+        its batch size and (DDP) which parameters got a gradient; repeated until no rank is inside its micro-batches
+        (a peer standing at a guard meets it there, and votes in turn)."""
+        used = used or []
+        values = [0.0] * max(self.width, HEADER + len(used))
+        values[_FAILED] = float(failure.failed)
+        if failure.at_floor:
+            values[_FLOOR_RANK] = float(self.rank + 1)
+            values[_FLOOR_MICRO] = float(failure.micro)
+            values[_FLOOR_WHERE] = float(_WHERE.index(failure.where) if failure.where in _WHERE else 0)
+            values[_FLOOR_PEAK] = float(failure.peak)
+        values[_DONE] = 1.0
+        values[_LEFT] = float(left)
+        values[_COLLECTIVES] = float(self.guards > 0)
+        values[_BATCH], values[_NEG] = float(batch_size), -float(batch_size)
+        values[HEADER:HEADER + len(used)] = [1.0 if u else 0.0 for u in used]
+        while True:
+            reduced = self.max(*values)
+            if not self.enabled or reduced[_INSIDE] == 0:
+                break
+        floor = int(reduced[_FLOOR_RANK])
+        return Verdict(
+            failed=reduced[_FAILED] > 0, floor_rank=floor - 1 if floor else None,
+            floor_micro=int(reduced[_FLOOR_MICRO]), floor_where=_WHERE[int(reduced[_FLOOR_WHERE])],
+            floor_peak=int(reduced[_FLOOR_PEAK]), left=reduced[_LEFT] > 0, collectives=reduced[_COLLECTIVES] > 0,
+            same_batch=int(reduced[_BATCH]) == int(-reduced[_NEG]),
+            used=[u > 0 for u in reduced[HEADER:HEADER + len(used)]])
 
-
-#: Gradients are averaged over ranks in flat buckets of about this size (DDP's default bucket cap).
-GRADIENT_BUCKET_BYTES = 25 * 2**20
-
-
-def make_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive tensors grouped by dtype and device, each group cut at ``cap_bytes``."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        last = buckets[-1] if buckets else None
-        nbytes = t.numel() * t.element_size()
-        if last is None or (t.dtype, t.device) != (last[0].dtype, last[0].device) or size + nbytes > cap_bytes:
-            buckets.append([t])
-            size = nbytes
-        else:
-            last.append(t)
-            size += nbytes
-    return buckets
-
-
-def _finish(work: Any, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
-    """Wait for a bucket's all-reduce and copy the averaged values back into its gradients."""
-    work.wait()
-    if len(bucket) > 1:
-        offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+    def after_update(self, failure: Failure) -> Verdict:
+        """After a protected update (one every rank protects alike): did any rank's update run out of memory, and at
+        its minimum? Every rank then rolls its update back and replays."""
+        values = [float(failure.failed), float(self.rank + 1) if failure.at_floor else 0.0, float(failure.micro),
+                  float(_WHERE.index("update")), float(failure.peak)]
+        reduced = self.max(*values) if self.enabled else values
+        floor = int(reduced[1])
+        return Verdict(failed=reduced[0] > 0, floor_rank=floor - 1 if floor else None, floor_micro=int(reduced[2]),
+                       floor_where="update", floor_peak=int(reduced[4]), left=False, collectives=False,
+                       same_batch=True, used=[])

@@ -8,19 +8,22 @@ work), and logs each call under the micro-batch that runs. A clean micro-batch k
 kind ``(first, last)``: a schedule depends on the parameters' shapes and the sharding, not on the number of samples,
 so it still holds after the micro-batch shrinks.
 
-After an OOM at call ``p`` of micro-batch ``j``, the failing rank resets its FSDP state, frees the failed attempt,
-and issues what its peers still expect (the rest of ``j``'s schedule, then the whole schedules of the micro-batches
-after it) on one zeroed scratch buffer; then every rank joins one vote. Its peers ran their micro-batches normally.
+After an OOM at call ``p`` of micro-batch ``j`` (or before the first micro-batch, in ``optimizer.step``), the failing
+rank resets its FSDP state, frees the failed attempt, and issues what its peers still expect (the rest of ``j``'s
+schedule, then the whole schedules of the micro-batches after it) on one zeroed scratch buffer; then every rank joins
+the step's vote. A schedule also holds the model's own collectives, as "guard" calls (see
+:mod:`autotune._runtime.guard`): a draining rank stops at the first, where its peers stand, and its vote meets them.
 
 While some rank lacks the schedule of a kind an attempt needs (the first step; a new split; a schedule that changed),
 every rank publishes each call in the process group's store before issuing it, and a rank that fails follows the
 calls its peers publish instead of a schedule. So an OOM in the very first micro-batch of training is drained
 without running any user code a second time and without guessing. A follower stops once every other rank has
-published that it finished its micro-batches or that it follows too.
+published that it finished its micro-batches or that it follows too, or publishes a guard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, NamedTuple
 
@@ -79,7 +82,9 @@ class _RecordingAllGather:
                  async_op: bool = False) -> Any:
         self.drain.issuing("ag", output_tensor, input_tensor, group, None)
         try:
-            return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+            with self.drain.passing():
+                return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                                  async_op=async_op)
         except BaseException:
             self.drain.retract()  # not issued: a drain issues it again
             raise
@@ -96,8 +101,9 @@ class _RecordingReduceScatter:
                  async_op: bool = False) -> Any:
         self.drain.issuing("rs", output_tensor, input_tensor, group, op)
         try:
-            return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                              async_op=async_op)
+            with self.drain.passing():
+                return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                                  async_op=async_op)
         except BaseException:
             self.drain.retract()  # not issued: a drain issues it again
             raise
@@ -111,7 +117,8 @@ def micro_batch_kinds(count: int) -> list[tuple[bool, bool]]:
 class CollectiveDrain:
     """The FSDP units' collectives per micro-batch kind, and the drain after an OOM; one per fit."""
 
-    def __init__(self) -> None:
+    def __init__(self, passing: Any = contextlib.nullcontext) -> None:
+        self.passing = passing  # a context in which the units' own collectives pass the model's collective guard
         self.schedules: dict[tuple[bool, bool], list[Call]] = {}
         self.units: list[Any] = []
         self.unsupported: str | None = None  # why the units' collectives cannot be recorded, when they cannot
@@ -158,15 +165,12 @@ class CollectiveDrain:
         """Whether this rank lacks the schedule of a kind that ``count`` micro-batches need, or one changed lately."""
         return self._changed or any(kind not in self.schedules for kind in micro_batch_kinds(count))
 
-    def start_attempt(self, agree: Agreement, count: int, shaped: bool, *, peak: int = 0) -> tuple[int, bool, int]:
-        """An attempt at the step begins, this rank wanting ``count`` micro-batches. One collective: the count every
-        rank runs (the largest wanted: each FSDP2 micro-batch gathers parameters, so all run alike), whether any rank
-        is ``shaped`` (splits by its batches' varying shape), and whether some rank lacks a schedule the attempt needs
-        (then every call is published, for a failing rank to follow); and the largest ``peak`` (the last step's, for a
-        soft budget's check, which so needs no collective of its own)."""
+    def start_attempt(self, agree: Agreement, count: int) -> int:
+        """An attempt begins, this rank wanting ``count`` micro-batches. One collective: the count every rank runs (the
+        largest wanted: each FSDP2 micro-batch gathers parameters, so all run alike) and whether some rank lacks a
+        schedule the attempt needs (then every call is published, for a failing rank to follow)."""
         wanted = (1, 2, 3)  # the kinds of micro-batches differ for 1, 2 and 3 or more
-        most, any_shaped, worst_peak, *lacks = agree.max(float(count), float(shaped), float(peak),
-                                                         *(float(self.lacks(k)) for k in wanted))
+        most, *lacks = agree.max(float(count), *(float(self.lacks(k)) for k in wanted))
         count = int(most)
         publish = lacks[min(count, 3) - 1] > 0
         self._count = count
@@ -177,7 +181,7 @@ class CollectiveDrain:
         self._publish = publish
         if publish:
             self._store = dist.PrefixStore("autotune/drain/", default_store())
-        return count, any_shaped > 0, int(worst_peak)
+        return count
 
     def begin(self, index: int) -> None:
         """Micro-batch ``index`` begins: log its calls."""
@@ -212,6 +216,21 @@ class CollectiveDrain:
             self._put(self._seq, _encode(call))
             self._seq += 1
 
+    def guard_point(self) -> None:
+        """The model is about to make a collective of its own, behind the ranks' guard: logged (and published) as a
+        call of kind "guard", where a draining rank stops and votes instead (its peers meet the vote at the guard)."""
+        if self._log is None:
+            return
+        call = Call("guard", (), (), torch.float64, "", "")
+        self._log.append(call)
+        if self._publish:
+            self._put(self._seq, _encode(call))
+            self._seq += 1
+
+    def stop(self) -> None:
+        """Another rank's failure stopped this rank's micro-batch: its log is dropped (nothing to drain here)."""
+        self._log = None
+
     def retract(self) -> None:
         """The last call raised instead of being issued: forget it (a follower at its place reads the healthy
         ranks' entry instead of this rank's, which it overwrites)."""
@@ -233,19 +252,18 @@ class CollectiveDrain:
             clear_fsdp_unsharded_grads(unit)
         optimizer.zero_grad(set_to_none=True)
 
-    def vote(self, agree: Agreement, failed: int, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-        """After the micro-batches: a rank that ``failed`` (1; 2 at its minimum micro-batch) frees its attempt and
-        issues the collectives its peers still expect; then all vote (before any collective outside FSDP's, such as
-        gradient clipping's, could meet a drained one). The worst ``failed`` of the ranks, on every rank."""
+    def before_vote(self, failed: bool, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        """Before the attempt's vote: a rank that ``failed`` frees its attempt and issues the collectives its peers
+        still expect, up to a guard if one comes first (the peers stand there, and meet the vote); a rank that ran its
+        micro-batches says so to ranks following it."""
         if failed:
+            if self._failed is None:  # it failed before its first micro-batch (inside ``optimizer.step``, say)
+                self._failed, self._issued = (0, 0), []
             self.reset(optimizer)
             release_memory((), device)
             self.drain(device)
         elif self._publish:
             self._put(self._seq, _END)  # this rank ran its micro-batches: ranks following it stop here
-        any_failed = int(agree.max(float(failed))[0])
-        self.end_attempt()
-        return any_failed
 
     def drain(self, device: torch.device) -> None:
         """Issue the calls the peers still expect from this failed rank: follow their published calls when
@@ -261,7 +279,8 @@ class CollectiveDrain:
         if current[:done] != self._issued:
             raise RuntimeError(_MISMATCH)
         rest = current[done:] + [c for kind in kinds[index + 1:] for c in self.schedules[kind]]
-        self._issue(rest, device)
+        guard = next((i for i, c in enumerate(rest) if c.kind == "guard"), len(rest))
+        self._issue(rest[:guard], device)  # a guard: the peers stand there, where this rank's vote meets them
 
     def end_attempt(self) -> None:
         """After the vote (no rank reads this attempt's published calls any more): delete what this rank wrote."""
@@ -282,9 +301,12 @@ class CollectiveDrain:
             calls = [s for s in seen if s not in (_END, _FOLLOW)]
             if not calls:
                 return  # every other rank finished or follows too: nobody waits in a collective
+            call = _decode(calls[0])
+            if call.kind == "guard":
+                return  # the others stand at a guard: the vote meets them there
             self._seq += 1
             self.followed += 1
-            self._issue([_decode(calls[0])], device)
+            self._issue([call], device)
 
     def _issue(self, calls: list[Call], device: torch.device) -> None:
         """Issue ``calls`` with zeros from one scratch buffer per dtype (as large as the largest call)."""

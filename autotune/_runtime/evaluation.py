@@ -15,56 +15,42 @@ from autotune._runtime.events import _SHARDED_EVAL_OOM
 from autotune._runtime.state import RNGState, release_memory
 
 
-class EvalSteps:
-    """The engine's evaluation steps (a part of :class:`autotune._runtime.microbatch.ElasticEngine`, which holds the
-    state they use: the split per stage, the logs, the meter, the ranks' agreement)."""
-
-    eval_micro_batch_size: dict[str, int]
-    logs: Any
-    meter: Any
-    agree: Any
-    sharded: bool
-    budget_text: str | None
-    device: torch.device
-    _metric_states: Callable[[torch.nn.Module], Any]
-    _record: Callable[..., None]
-
-    def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict,
-                      module: torch.nn.Module) -> Any:
-        """Run an evaluation step, splitting its batch after an OOM; the training micro-batch is not touched."""
-        n = batch_size_of(batch)
-        rng = RNGState()
-        metrics = self._metric_states(module)
-        while True:
-            micro = min(self.eval_micro_batch_size.get(stage, n or 1), n or 1)
-            sizes = split_sizes(n, micro) if n else [1]
-            self.logs.start()
-            try:
-                outputs, start = [], 0
-                for size in sizes:
-                    part = batch if len(sizes) == 1 else slice_batch(batch, start, start + size, n)
-                    self.logs.n = size
-                    outputs.append(step(part, *args, **kwargs))
-                    start += size
-            except BaseException as exc:
-                self.logs.discard()
-                if not is_oom_error(exc):
-                    raise
-                if self.sharded and self.agree.enabled:
-                    raise OutOfMemoryAtMinimumError(_SHARDED_EVAL_OOM.format(stage=stage)) from exc
-                if not n or micro <= 1:
-                    raise OutOfMemoryAtMinimumError(
-                        f"Out of memory in {stage} at the smallest evaluation split: batch size {n}, micro-batch "
-                        f"{micro}, budget {self.budget_text or 'none (no cap)'}, peak "
-                        f"{format_bytes(self.meter.peak())}."
-                    ) from exc
-                smaller = micro // 2
-            else:
-                self.logs.flush(parts=len(sizes))
-                return combine_outputs(outputs, sizes)
-            outputs = []
-            release_memory((), self.device)
-            rng.restore()
-            metrics.restore()
-            self.eval_micro_batch_size[stage] = smaller
-            self._record("eval_oom", module.trainer.global_step, micro, smaller, where=stage, batch_size=n or 1)
+def run_eval_step(engine: Any, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict,
+                  module: torch.nn.Module) -> Any:
+    """Run an evaluation step of ``engine``'s fit, splitting its batch after an OOM (the split sticks for the
+    ``stage``: the policy keeps it); the training micro-batch is not touched. Under FSDP2 an OOM ends the run."""
+    policy = engine.policy
+    n = batch_size_of(batch)
+    rng = RNGState()
+    states = engine._metric_states(module, training=False)
+    while True:
+        micro = policy.eval_micro(stage, n) if n else 1
+        sizes = split_sizes(n, micro) if n else [1]
+        engine.logs.start()
+        try:
+            outputs, start = [], 0
+            for size in sizes:
+                part = batch if len(sizes) == 1 else slice_batch(batch, start, start + size, n)
+                engine.logs.n = size
+                outputs.append(step(part, *args, **kwargs))
+                start += size
+        except BaseException as exc:
+            engine.logs.discard()
+            if not is_oom_error(exc):
+                raise
+            if engine.sharded and engine.agree.enabled:
+                raise OutOfMemoryAtMinimumError(_SHARDED_EVAL_OOM.format(stage=stage)) from exc
+            smaller = policy.after_eval_oom(stage, micro, step=module.trainer.global_step, n=n or 1) if n else None
+            if smaller is None:
+                raise OutOfMemoryAtMinimumError(
+                    f"Out of memory in {stage} at the smallest evaluation split: batch size {n}, micro-batch "
+                    f"{micro}, budget {policy.memory.budget_text or 'none (no cap)'}, peak "
+                    f"{format_bytes(engine.meter.peak())}."
+                ) from exc
+        else:
+            engine.logs.flush(parts=len(sizes))
+            return combine_outputs(outputs, sizes)
+        outputs = []
+        release_memory((), engine.device)
+        rng.restore()
+        states.restore()

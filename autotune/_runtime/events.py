@@ -25,6 +25,10 @@ _HALF_APPLIED = ("Out of memory inside the optimizer update after it had changed
 _WHY_STEADY = ("Updates that create optimizer state (the first one, parameters added later) are protected by a host "
                "copy; this one was not, its state already existed. Leave more room for the update's temporaries: "
                "raise the budget, or build the optimizer with foreach=False.")
+_COUNTS_DIFFER = (
+    "ElasticBatchSize: the ranks made different numbers of collectives inside a step's micro-batches although they ran "
+    "equal counts of micro-batches (collectives that depend on the data: experts routed per batch, a layer skipped for "
+    "some inputs); their out-of-memory errors cannot be kept in step, and the run stops on every rank.")
 _DIFFERENT_SPLITS = (
     "ElasticBatchSize: the ranks got batches of different sizes this step; every rank must see the same batch size "
     "(Lightning's DistributedSampler pads the ranks to equal shares; keep use_distributed_sampler=True or pad a custom "
@@ -55,7 +59,8 @@ _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(p
 class ElasticEvent:
     """One decision of :class:`~autotune.callbacks.ElasticBatchSize` (its ``events`` list, oldest first).
 
-    ``kind`` is "oom" (an out-of-memory error; the step was replayed at ``micro_batch_size``), "grow" (the
+    ``kind`` is "oom" (an out-of-memory error of this rank; the step was replayed at ``micro_batch_size``),
+    "peer_oom" (another rank's out-of-memory error; this rank replayed the step at its own micro-batch), "grow" (the
     micro-batch doubled after clean steps; with varying sample sizes, a micro-batch that ran before a failure tried
     again), "grow_failed" (the larger micro-batch ran out of memory and went back),
     "over_budget" (a step's peak passed the soft CPU budget; the next step runs smaller) or "eval_oom" (an

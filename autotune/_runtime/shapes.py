@@ -32,8 +32,10 @@ tried only when it saves a micro-batch. After an out-of-memory error the replay 
 Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first: a new point that
 contradicts an older one on the other frontier (a success at a load an older failure ruled out, a failure where a
 micro-batch ran before) removes it. A fit removed that way is remembered as *lost*: memory pressure (another process,
-fragmentation) may have caused the failure, and a probe, when the runtime allows one (after ``grow_after`` clean steps),
-tries it again; a failure at a load never seen to work is the boundary and is not probed.
+fragmentation) may have caused the failure. A **probe**, when the runtime allows one (after ``grow_after`` clean
+steps), tries the fewest micro-batches that no evidence rules out (a lost fit, or a split whose chance of fitting is
+below ``confidence`` but above zero): a batch just under the boundary is not held split for the rest of the run, and
+either outcome moves a frontier. A failure at a load never seen to work rules that load out, and it is not probed.
 
 Limits: the model knows shape, not content (two batches of one shape cost the same); the batch's sample size is its
 padded size; a per-sample cost that falls with the size, or grows faster than its square, is outside the family and
@@ -233,8 +235,8 @@ class ShapeModel:
 
     def choose(self, n: int, s: float, *, confidence: float | None = None, probe: bool = False) -> ShapeChoice:
         """The largest micro-batch for ``n`` samples of size ``s``: the fewest micro-batches whose largest fits with
-        probability ``confidence`` (the model's own by default; 1.0 after an OOM). ``probe``: also try what ran before
-        a later failure contradicted it (memory pressure that may have passed)."""
+        probability ``confidence`` (the model's own by default; 1.0 after an OOM). ``probe``: the fewest that the
+        evidence does not rule out (any chance above zero, or what ran before a later failure contradicted it)."""
         q = self.confidence if confidence is None else confidence
         key = (n, s, probe, q)
         found = self._cache.get(key)
@@ -244,7 +246,8 @@ class ShapeModel:
         lo_k, hi_k = 1, n  # the fewest micro-batches that fit lies in [lo_k, hi_k]; n (micro-batches of 1) is the floor
         while lo_k < hi_k:
             k = (lo_k + hi_k) // 2
-            if self._fit_probability(-(-n // k), s, gs, probe=probe) >= q:
+            chance = self._fit_probability(-(-n // k), s, gs, probe=probe)
+            if chance >= q or (probe and chance > 0):
                 hi_k = k
             else:
                 lo_k = k + 1
@@ -291,23 +294,19 @@ class ShapeModel:
 
 
 class ShapeSplit:
-    """The engine's use of the model: the sample size of each batch, whether sizes vary, the micro-batch chosen.
+    """The policy's use of the model: the sample size of each batch, whether sizes vary, the micro-batch chosen.
 
-    While every batch has the sample size of the first (a fixed-shape run) the engine keeps its halving and doubling
+    While every batch has the sample size of the first (a fixed-shape run) the policy keeps its halving and doubling
     and the model only takes note; once a size differs on this rank (``varies``), each step's split comes from the
-    model. ``agreed`` is whether sizes vary on any rank, set by the step's vote (the engine's per-rank decisions
-    after a step need every rank to take the same path).
+    model. Each rank decides on its own batches.
     """
 
-    def __init__(self, *, sample_size: Callable[[Any], float] | None, min_micro_batch_size: int,
-                 ranks_vote: bool = False) -> None:
+    def __init__(self, *, sample_size: Callable[[Any], float] | None, min_micro_batch_size: int) -> None:
         self.model = ShapeModel()
-        self.ranks_vote = ranks_vote  # several ranks: ``agreed`` comes from the step's vote, else from this rank
         self.sample_size_fn = sample_size
         self.min_micro_batch_size = min_micro_batch_size
         self.first: float | None = None
         self.varies = False
-        self.agreed = False
         self.size = 1.0  # this batch's sample size
         self.micro_chosen = 0
 
@@ -331,8 +330,6 @@ class ShapeSplit:
             self.first = self.size
         elif self.size != self.first:
             self.varies = True
-        if self.varies and not self.ranks_vote:
-            self.agreed = True
 
     def micro(self, n: int, *, confidence: float | None = None, probe: bool = False) -> int:
         """The micro-batch for this batch (the model's choice, never below the minimum)."""

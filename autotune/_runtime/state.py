@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import random
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -11,7 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import copy_tensors, is_norm_with_running_stats, metric_state_names, tensor_versions
+from autotune._compat import (
+    copy_tensors, is_norm_with_running_stats, metric_state_names, module_tensor_slots, tensor_version, tensor_versions,
+)
+
+log = logging.getLogger("autotune")
 
 try:  # NumPy's global generator (augmentations, mixup); torch wheels ship with NumPy
     import numpy.random as _np_random
@@ -39,64 +44,119 @@ class RNGState:
 
 
 class MetricStates:
-    """The state of the torchmetrics ``Metric`` modules of a model and the running statistics of its norm layers, so a
-    replay does not count a failed attempt's updates. Metrics are found among the model's submodules (attributes,
-    ``MetricCollection``)."""
+    """The state of the torchmetrics ``Metric`` modules of a model and of its buffers, so a replay does not count a
+    failed attempt's updates. Metrics are found among the model's submodules (attributes, ``MetricCollection``)."""
 
-    def __init__(self, found: tuple[list[torch.nn.Module], RunningStats]) -> None:
-        metrics, self.running = found
+    def __init__(self, found: tuple[list[torch.nn.Module], BufferStates], *, training: bool = True) -> None:
+        metrics, self.buffers = found
         self.saved = [(m, {name: _copy_state(getattr(m, name)) for name in metric_state_names(m)
                            if hasattr(m, name)}) for m in metrics]
-        self.running.capture()
+        self.buffers.capture(training=training)
 
     @staticmethod
-    def find(module: torch.nn.Module) -> tuple[list[torch.nn.Module], RunningStats]:
+    def find(module: torch.nn.Module) -> tuple[list[torch.nn.Module], BufferStates]:
         """The torchmetrics metrics among ``module``'s submodules (none when torchmetrics is not installed), and its
-        norm layers' running statistics."""
+        buffers."""
         try:
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover - Lightning installs torchmetrics
-            return [], RunningStats(module)
-        return [m for m in module.modules() if isinstance(m, Metric)], RunningStats(module)
+            return [], BufferStates(module)
+        return [m for m in module.modules() if isinstance(m, Metric)], BufferStates(module)
 
     def restore(self) -> None:
         for metric, state in self.saved:
             for name, value in state.items():
                 setattr(metric, name, _copy_state(value))  # a copy: a second replay restores from here again
-        self.running.restore()
+        self.buffers.restore()
 
 
-class RunningStats:
-    """The running statistics a training forward updates in place: ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` of BatchNorm and InstanceNorm layers (``track_running_stats``), copied on their device
-    at each step's start (one ``foreach`` copy into buffers made once) and put back after a failed attempt, so a
-    replay counts each sample once in them too. Nothing is copied for a model without such layers or in eval mode."""
+class BufferStates:
+    """The module's buffers as a step found them, put back after a failed attempt: norm layers' running statistics, a
+    running normaliser's mean, a step counter, and what DDP broadcast into them. A replay then sees each sample once.
+
+    A buffer is copied (on its device, one ``foreach`` copy into tensors made once) only while it is known to change.
+    Every buffer is copied until a training step has run; the copies are then compared with what the step left (its
+    version counter, and its values: BatchNorm's kernels update the running statistics without bumping the counter),
+    and from then on only the buffers a step changed or replaced are copied, with those of norm layers in training
+    mode. Buffers that never change (``position_ids``, rotary frequencies, masks) cost nothing after the first step. A
+    buffer that changes for the first time in a later step that fails cannot be put back: a warning says so once, and
+    it is copied from then on.
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.layers = [m for m in module.modules() if is_norm_with_running_stats(m)]
-        self.stats: list[Tensor] = []
+        self.module = module
+        self.learned = False  # whether a training step showed which buffers change
+        self.changing: set[int] = set()  # ids of buffers seen changing
+        self.slots: list[tuple[torch.nn.Module, str, Tensor, int]] = []  # (owner, name, tensor, version) at capture
+        self.copied: list[Tensor] = []
         self.copies: list[Tensor] = []
-        self.captured = False
-        self.pending = True
+        self.warned = False
+        self.names: list[tuple[torch.nn.Module, str]] | None = None
+        self._whole_training = False  # the last capture copied every buffer before a training step
 
     @torch.no_grad()
-    def capture(self) -> None:
+    def capture(self, *, training: bool = True) -> None:
+        """Copy the buffers that may change; ``training``: a training step follows (evaluation changes no norm)."""
         from torch.nn.parameter import is_lazy
 
-        self.captured = any(m.training for m in self.layers)
-        if not self.captured:
-            return
-        if self.pending:  # the first step, and until lazy layers have run
-            buffers = [b for m in self.layers for b in m.buffers(recurse=False)]
-            self.stats = [b for b in buffers if not is_lazy(b)]
-            self.copies = [torch.empty_like(b) for b in self.stats]
-            self.pending = len(self.stats) < len(buffers)
-        copy_tensors(self.copies, self.stats)
+        self._note_changes()
+        if self.names is None:  # the buffers' places, looked up once (again while lazy layers have not run)
+            places = [(owner, name, buf) for owner in self.module.modules()
+                      for name, buf in module_tensor_slots(owner)[1].items() if buf is not None]
+            lazy = any(is_lazy(buf) for _, _, buf in places)
+            self.names = None if lazy else [(owner, name) for owner, name, _ in places]
+        else:
+            places = [(owner, name, module_tensor_slots(owner)[1].get(name)) for owner, name in self.names]
+        slots = [(owner, name, buf, tensor_version(buf)) for owner, name, buf in places
+                 if buf is not None and not is_lazy(buf)]
+        copied = [buf for owner, _, buf, _ in slots if not self.learned or id(buf) in self.changing
+                  or (training and owner.training and is_norm_with_running_stats(owner))]
+        if [id(b) for b in copied] != [id(b) for b in self.copied] or any(
+                c.shape != b.shape or c.dtype != b.dtype for c, b in zip(self.copies, copied)):
+            self.copies = [torch.empty_like(b) for b in copied]
+        self.copied = copied
+        if copied:
+            copy_tensors(self.copies, copied)
+        self.slots = slots
+        self._whole_training = training and not self.learned
+
+    def _note_changes(self) -> None:
+        """Buffers the last step changed in place or replaced: copied from now on. After a training step that
+        started with every buffer copied, the values are compared too (kernels that write without a version bump)."""
+        copies = {id(b): c for b, c in zip(self.copied, self.copies)}
+        for owner, name, buf, version in self.slots:
+            now = module_tensor_slots(owner)[1].get(name)
+            copy = copies.get(id(buf))
+            if now is not buf or tensor_version(buf) != version or (
+                    self._whole_training and copy is not None and not torch.equal(copy, buf)):
+                self.changing.add(id(buf))
+                if now is not None:
+                    self.changing.add(id(now))
+        if self._whole_training:
+            self.learned = True
+            self._whole_training = False
 
     @torch.no_grad()
     def restore(self) -> None:
-        if self.captured and self.stats:
-            copy_tensors(self.stats, self.copies)
+        copies = {id(b) for b in self.copied}
+        lost = []
+        for owner, name, buf, version in self.slots:
+            buffers = module_tensor_slots(owner)[1]
+            if buffers.get(name) is not buf:
+                buffers[name] = buf  # replaced by the failed attempt: the step's own tensor goes back
+                self.changing.add(id(buf))
+            if tensor_version(buf) != version:
+                self.changing.add(id(buf))
+                if id(buf) not in copies:
+                    lost.append(name)
+        if self.copied:
+            copy_tensors(self.copied, self.copies)
+        self.slots = [(owner, name, buf, tensor_version(buf)) for owner, name, buf, _ in self.slots]
+        if lost and not self.warned:
+            self.warned = True
+            log.warning("ElasticBatchSize: the failed attempt changed buffers that no earlier step had changed (%s); "
+                        "they keep its changes in the replay. They are copied before every step from now on.",
+                        ", ".join(sorted(set(lost))))
 
 
 class UpdateSnapshot:
@@ -137,6 +197,7 @@ class UpdateSnapshot:
             ctx: Any = torch.cuda.stream(self._stream)
         else:
             ctx = contextlib.nullcontext()
+        self._optimizer = None  # restorable only once the copy is whole
         with ctx:
             self._params = [(p, self._host_copy(p, (id(p), "param"))) for p in params]
             self._state, self._layouts = {}, {}
@@ -167,10 +228,11 @@ class UpdateSnapshot:
             torch.cuda.current_stream().wait_stream(self._stream)
 
     def restore(self) -> None:
-        """Put parameters, optimizer state and hyper-parameters back as they were at :meth:`capture`."""
+        """Put parameters, optimizer state and hyper-parameters back as they were at :meth:`capture` (nothing when
+        the capture itself failed: the update had not run)."""
         optimizer = self._optimizer
         if optimizer is None:
-            raise RuntimeError("UpdateSnapshot.restore() called before capture()")
+            return
         self.wait()
         with torch.no_grad():
             for p, saved in self._params:

@@ -36,6 +36,7 @@ class UpdateGuard:
 
     def start_attempt(self) -> None:
         self._prepared = False
+        self.protected = False
         self.evaluations = 0
 
     def evaluation_starts(self) -> None:
@@ -52,7 +53,7 @@ class UpdateGuard:
         self._prepared = True
         self.protected = self.protect and (self._reevaluates or creates_state(optimizer, stateless=self._stateless))
         if self.protected:
-            self.snapshot.capture(optimizer)
+            self.snapshot.capture(optimizer)  # an OOM here leaves nothing to restore: the update has not run
             self.snapshot.wait()
             self.snapshot_bytes = self.snapshot.held_bytes
             self._fingerprint = None
@@ -68,20 +69,18 @@ class UpdateGuard:
             self._stateless.update(id(p) for p in update_parameters(optimizer) if not state.get(p))
             self.snapshot.release()  # steady-state steps hold no host copy
 
-    def check_replayable(self, optimizer: torch.optim.Optimizer, *, cause: BaseException, agree: Any) -> None:
+    def check_replayable(self, optimizer: torch.optim.Optimizer, *, cause: BaseException, ranks: bool) -> None:
         """After an OOM in this rank's update: go on when it can be undone (a snapshot) or repeated (it changed
         nothing, one process), else end the run with one clear error.
 
-        Under DDP a protected update is followed by a vote, so the peers roll theirs back too. A steady-state update
-        is not (one collective per step): its OOM ends the run on this rank, and the launcher ends the others
-        (Lightning's launchers and torchrun stop every rank when one fails); a vote here could meet whatever
-        collective a peer makes next and mismatch it."""
+        Under several ranks a protected update is followed by a vote (the engine's), so the peers roll theirs back
+        too. A steady-state update is not (one collective per step): its OOM ends the run on this rank, and the
+        launcher ends the others (Lightning's launchers and torchrun stop every rank when one fails); a vote here
+        could meet whatever collective a peer makes next and mismatch it."""
         if self.protected:
-            if agree.enabled:
-                agree.any(True)  # the peers' vote after their update
             return
         why = _WHY_STEADY if self.protect else _WHY_OFF
-        if agree.enabled:
+        if ranks:
             raise OutOfMemoryAtMinimumError(_STEADY_OF_A_RANK.format(why=why)) from cause
         if self._fingerprint is None:  # an update whose changes version counters may not see
             raise OutOfMemoryAtMinimumError(_UNSEEN.format(name=type(optimizer).__name__, why=why)) from cause

@@ -1,0 +1,86 @@
+"""Ranks that differ, as users meet them (2 CPU ranks, gloo): a model with buffers under DDP's default broadcast and
+an OOM on one rank, ranks whose batches have shapes of their own, BatchNorm and a running normaliser without any OOM,
+and a layer that makes collectives in forward and backward with an OOM before or after them, under DDP and FSDP2.
+Each runs as one scenario of the fault fuzzer's runner (``fuzz_ranks_run.py``) and is checked as the fuzzer checks:
+no hang, weights and buffers equal native accumulation on the same samples, steps and samples exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ranks import run_ranks
+from tests.runtime.test_fuzz_ranks import check
+
+SCRIPT = Path(__file__).with_name("fuzz_ranks_run.py")
+DEFAULTS: dict[str, Any] = {}  # ElasticBatchSize() as a new user writes it
+
+
+def scenario(k: int, model: str, *, strategy: str = "ddp", lengths: Any = None, faults: Any = (), steps: int = 3,
+             elastic: Any = None, broadcast: bool = True) -> dict[str, Any]:
+    return {"id": k, "strategy": strategy, "broadcast_buffers": broadcast, "model": model, "optimizer": "adamw",
+            "steps": steps, "batch": 8, "lengths": lengths or [[8] * steps, [6] * steps], "faults": list(faults),
+            "elastic": DEFAULTS if elastic is None else elastic}
+
+
+def once(rank: int, phase: str, step: int) -> dict[str, Any]:
+    return {"rank": rank, "phase": phase, "step": step, "once": True}
+
+
+PADDED = [[6, 16, 9, 14, 5, 16, 12, 15], [4] * 8]
+PLAN = [
+    # 1. A registered buffer, DDP's default broadcast_buffers, no validation loader, an OOM in rank 0's first forward:
+    # the failed forward left DDP's "broadcast at the next forward" set on rank 0 alone (it hung).
+    scenario(0, "buffer", faults=[once(0, "forward", 0)]),
+    # 2. Rank 0's padded batches run out of memory past 80 tokens; rank 1's short ones always fit: rank 1 replays,
+    # never shrinks (it was halved to 1, then ended with "OutOfMemoryAtMinimumError: another rank").
+    scenario(1, "mlp", lengths=PADDED, steps=8, faults=[{"rank": 0, "phase": "forward", "step": 0, "cap": 80}]),
+    # 3. No OOM at all, micro-batches of 4: BatchNorm's statistics and a running normaliser's mean drifted apart from
+    # Lightning's accumulation (DDP broadcast once per fit instead of once per step).
+    scenario(2, "batchnorm", elastic={"micro_batch_size": 4}),
+    scenario(3, "normaliser", elastic={"micro_batch_size": 4}),
+    # 4. A layer with an all-gather in forward and an all-reduce in backward (SyncBatchNorm's), an OOM on one rank
+    # before the forward's collective (first step, a later one), or after it (in backward): it hung, or crashed gloo.
+    scenario(4, "collective", faults=[once(0, "forward", 0)]),
+    scenario(5, "collective", faults=[once(1, "forward", 2)]),
+    scenario(6, "collective", faults=[once(0, "backward", 1)]),
+    # ... and under FSDP2, an OOM in an optimizer step pre-hook, before the step calls the closure (it hung).
+    scenario(7, "mlp", strategy="fsdp", faults=[once(1, "step_pre", 1)]),
+    scenario(8, "collective", strategy="fsdp", faults=[once(0, "forward", 1)]),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    folder = tmp_path_factory.mktemp("differ")
+    (folder / "plan.json").write_text(json.dumps(PLAN))
+    proc = run_ranks([str(SCRIPT), str(folder / "plan.json"), str(folder)], timeout=300)  # a hang: RanksHung
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {s["id"]: [torch.load(folder / f"{s['id']}.rank{r}.pt", weights_only=False) for r in range(2)]
+            for s in PLAN}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [s["id"] for s in PLAN])
+def test_ranks_that_differ_end_exact(results: dict[int, list[dict[str, Any]]], k: int) -> None:
+    assert check(PLAN[k], results[k]) == []
+
+
+@pytest.mark.slow
+def test_a_rank_whose_micro_batch_fits_is_not_shrunk_by_its_peers_ooms(results: dict[int, list[dict[str, Any]]]) -> None:
+    padded, short = results[1]
+    assert [e for e in padded["events"] if e[0] == "oom"]  # rank 0's own OOMs, replayed by both ranks
+    assert short["sizes"] == [[8]] * 8  # rank 1 ran every batch whole
+    assert {e[0] for e in short["events"]} == {"peer_oom"} and all(e[1] == e[2] == 8 for e in short["events"])
+
+
+@pytest.mark.slow
+def test_buffers_are_broadcast_once_per_step_as_in_lightnings_accumulation(
+        results: dict[int, list[dict[str, Any]]]) -> None:
+    for k in (2, 3):
+        for rank in results[k]:
+            assert rank["events"] == [] and rank["sizes"] == [[4, 4]] * 3  # no OOM: split, and exact (above)
