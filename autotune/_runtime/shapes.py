@@ -247,7 +247,8 @@ class ShapeModel:
         while lo_k < hi_k:
             k = (lo_k + hi_k) // 2
             chance = self._fit_probability(-(-n // k), s, gs, probe=probe)
-            if chance >= q or (probe and chance > 0):
+            allowed = chance >= q or (probe and chance > 0)  # a probe: whatever the evidence does not rule out
+            if allowed:
                 hi_k = k
             else:
                 lo_k = k + 1

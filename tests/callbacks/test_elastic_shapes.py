@@ -323,25 +323,48 @@ def test_a_bad_micro_batch_sample_size_is_refused_with_the_value() -> None:
         ElasticBatchSize(micro_batch_sample_size=33)
 
 
-def test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache() -> None:
-    """Played allocator figures: after a long batch the caching allocator keeps its reserve, so the reserve's peak of
-    every later short step is the long step's. The split of the next long batch must not shrink because short steps
-    seemed to cost that much (on an H200, the dynamic-padding benchmark's real-memory rule ran 4x the fewest
-    micro-batches that way): the policy learns from the tensors' peak (``grows``), not the reserve (``peak``)."""
+class _PlayedClosure:
+    """Lightning's closure as the engine sees it, playing the allocator's figures of one micro-batch."""
+
+    _zero_grad_fn = None
+
+    def __init__(self, play: Callable[[], None]) -> None:
+        self.play = play
+
+    def __call__(self) -> None:
+        self.play()
+
+
+def test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache(monkeypatch) -> None:
+    """Played allocator figures (no GPU here): after a long batch the caching allocator keeps its reserve, so the
+    reserve's peak of every later short step is the long step's. The split of the next long batch must not shrink
+    because short steps seemed to cost that much (on an H200, the dynamic-padding benchmark's real-memory rule ran 4x
+    the fewest micro-batches that way): the engine hands the policy the tensors' peak, not the reserve."""
+    from autotune._runtime.microbatch import ElasticEngine
+
     mib, n, static, per_token = 2**20, 32, 100 * 2**20, 2**16  # 64 KiB a token: 32 samples x 64 tokens = 128 MiB
+    figures = {"allocated_bytes": {"all": {"current": static, "peak": static}},
+               "reserved_bytes": {"all": {"current": static, "peak": static}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: figures)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     policy = MicroBatchPolicy(micro_batch_size=8, min_micro_batch_size=1, grow=True, grow_after=50,
                               memory=Memory(budget_bytes=260 * mib, limit_bytes=260 * mib, hard=True))
-    reserve = static
+    engine = ElasticEngine(policy=policy, protect_update=True, device=torch.device("cuda", 0), world_size=1,
+                           log_fn=lambda *a, **k: None)
+    module = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
 
     def step(length: int) -> int:
-        nonlocal reserve
-        policy.start_batch({"input_ids": torch.zeros(n, length, dtype=torch.long)}, n)
-        micro = policy.micro_for(n)
-        allocated = static + micro * length * per_token
-        reserve = max(reserve, allocated + 8 * mib)  # the cache is kept
-        policy.after_success(n=n, ran=micro, clean=True, step=0,
-                             peaks=StepPeaks(peak=reserve, static=static, grows=allocated, load=allocated))
-        return micro
+        def micro_batch() -> None:
+            allocated = static + engine.sizes[engine.index] * length * per_token
+            reserve = max(figures["reserved_bytes"]["all"]["current"], allocated + 8 * mib)  # the cache is kept
+            figures["allocated_bytes"]["all"]["peak"] = allocated
+            figures["reserved_bytes"]["all"]["peak"] = figures["reserved_bytes"]["all"]["current"] = reserve
+
+        engine.start_batch({"input_ids": torch.zeros(n, length, dtype=torch.long)})
+        engine.run_training_step(step=lambda closure: closure(), closure=_PlayedClosure(micro_batch),
+                                 optimizer=optimizer, module=module, parallel_model=None, scaler=None, global_step=0)
+        return engine.sizes[0]
 
     # the whole long batch's tensors (128 MiB over the static part) fit 90% of the cap (134 MiB over it): the long
     # batches grow to it by the model's doubling, and the short steps' cached reserve (172 MiB) takes nothing back
@@ -360,18 +383,6 @@ def test_on_cuda_a_fixed_shape_grows_from_the_tensors_peak_not_the_allocators_ca
     policy.after_success(n=32, ran=8, clean=True, step=0,
                          peaks=StepPeaks(peak=250 * mib, static=static, grows=static + 30 * mib, load=static + 30 * mib))
     assert policy.micro_batch_size == 16 and policy.growing_from == 8  # 160 MiB projected, under 90% of 260 MiB
-
-
-class _PlayedClosure:
-    """Lightning's closure as the engine sees it, playing the allocator's figures of one micro-batch."""
-
-    _zero_grad_fn = None
-
-    def __init__(self, play: Callable[[], None]) -> None:
-        self.play = play
-
-    def __call__(self) -> None:
-        self.play()
 
 
 @pytest.mark.parametrize("update_mib", [161, 400])

@@ -243,9 +243,10 @@ def reference(
     clip: float | None = None,
     lr: float = 0.05,
     unfreeze_at: int | None = None,
+    batchnorm: bool = False,
 ) -> ToyModel:
     """Plain PyTorch: step ``s`` accumulates micro-batches of ``micro_sizes[s]`` and takes one AdamW step."""
-    model = ToyModel(kind=kind, lr=lr, unfreeze_at=unfreeze_at)
+    model = ToyModel(kind=kind, lr=lr, unfreeze_at=unfreeze_at, batchnorm=batchnorm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     for step, batch in enumerate(data):
