@@ -251,6 +251,19 @@ MUTATIONS = (
              "autotune/_runtime/blocks.py", "        if (authors or cls in stacked) and all(",
              "        if not authors and cls in stacked and all(",
              ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
+    Mutation("tuned-file-lists-callbacks-first", "a bad value anywhere in a tuned file is one line under LightningCLI",
+             "autotune/_plan/plan.py",
+             '        return {"trainer": {\n            "callbacks+": [',
+             '        return {"trainer": {\n            "precision": self.precision,\n            "callbacks+": [',
+             ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
+    Mutation("cli-errors-read-the-config-files", "a bad value refused while parsing is one line under LightningCLI",
+             "callbacks/_lightning_cli.py", "            problems = config_problems(sys.argv[1:], classes)\n",
+             "            problems = []\n",
+             ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
+    Mutation("dash-values-attached", "`--budget -1GiB` gets our budget message, not argparse's",
+             "autotune/_cli/main.py", "parser.parse_args(_attach_dash_values(sys.argv[1:] if argv is None else argv))",
+             "parser.parse_args(argv)",
+             ("tests/test_cli.py::test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses",)),
 )
 
 
