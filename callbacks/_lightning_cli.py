@@ -153,7 +153,7 @@ def _excepthook(previous: Callable[..., Any], classes: Sequence[type]) -> Callab
         if refused is None or not _through_jsonargparse(tb):
             return previous(kind, error, tb)
         name, cause = refused
-        lines = config_problems(sys.argv[1:], classes) or [f"{name}: {_one_line(cause)}"]
+        lines = _problems_or_none(classes) or [f"{name}: {_one_line(cause)}"]
         sys.stderr.write(_report(lines))
         return None
 
@@ -161,12 +161,21 @@ def _excepthook(previous: Callable[..., Any], classes: Sequence[type]) -> Callab
     return excepthook
 
 
+def _problems_or_none(classes: Sequence[type]) -> list[str] | None:
+    """:func:`config_problems` of this command line; None where reading them fails in a way not foreseen (the error
+    being reported is then shown as it would have been, not hidden behind one of ours)."""
+    try:
+        return config_problems(sys.argv[1:], classes)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+
+
 def _parse_error(original: Callable[..., Any], classes: Sequence[type]) -> Callable[..., Any]:
     def error(self: Any, *args: Any, **kwargs: Any) -> Any:
         # exit_on_error=False (a parser used as a library: autotune's own target reader) and jsonargparse's debug
         # mode want the exception: left to jsonargparse
         if getattr(self, "exit_on_error", False) and "JSONARGPARSE_DEBUG" not in os.environ:
-            problems = config_problems(sys.argv[1:], classes)
+            problems = _problems_or_none(classes)
             if problems:
                 self.exit(2, _report(problems))
         return original(self, *args, **kwargs)

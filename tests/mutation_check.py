@@ -257,7 +257,7 @@ MUTATIONS = (
              '        return {"trainer": {\n            "precision": self.precision,\n            "callbacks+": [',
              ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
     Mutation("cli-errors-read-the-config-files", "a bad value refused while parsing is one line under LightningCLI",
-             "callbacks/_lightning_cli.py", "            problems = config_problems(sys.argv[1:], classes)\n",
+             "callbacks/_lightning_cli.py", "            problems = _problems_or_none(classes)\n",
              "            problems = []\n",
              ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
     Mutation("dash-values-attached", "`--budget -1GiB` gets our budget message, not argparse's",
