@@ -53,3 +53,25 @@ def test_a_trial_holds_the_tensors_of_a_plain_lightning_run_of_its_plan(device: 
                ("plain + meter without the FLOP count", _peaks(tmp_path / "no flops.json"))]
         pytest.fail("each step's tensors' peak (MiB): " + "; ".join(
             f"{name} {[round(p / 2**20, 1) for p in peaks]}" for name, peaks in mib))
+
+
+def test_the_longest_batch_a_trial_runs_is_not_kept_after_its_step(tmp_path: Path) -> None:
+    import gc
+    import types
+    import weakref
+
+    from autotune._search.trial import _run_long_batch
+
+    torch.save((torch.ones(4, 8), torch.zeros(4, 8)), tmp_path / "long.pt")
+    model = types.SimpleNamespace(trainer=types.SimpleNamespace(training=True),
+                                  on_before_batch_transfer=lambda batch, dataloader_idx: batch)
+    _run_long_batch(model, str(tmp_path / "long.pt"), at=1)
+    given = [(torch.full((2, 8), float(i)),) for i in range(3)]
+    first = model.on_before_batch_transfer(given[0], 0)
+    long = model.on_before_batch_transfer(given[1], 0)  # the second batch is the long one, in its place
+    assert first is given[0] and torch.equal(long[0], torch.ones(4, 8))
+    kept = weakref.ref(long[0])
+    del long
+    gc.collect()
+    assert kept() is None  # the trial's later steps hold no reference to it, as a plain run's do not
+    assert model.on_before_batch_transfer(given[2], 0) is given[2]
