@@ -1,34 +1,41 @@
 """One command for all GPU validation: tests, benchmarks and a realistic search, into one Markdown report (and JSON).
 
-    python benchmarks/gpu_check.py --quick --minutes 12  # on a lent GPU with 15 minutes of device time
+    python benchmarks/gpu_check.py --quick --minutes 12 --wheels .whl  # a lent GPU: 15 minutes of device time
     python benchmarks/gpu_check.py                       # everything in full (about 25 minutes and more)
     python benchmarks/gpu_check.py --device cpu --quick  # the plumbing on a CPU (CI runs it): every step, small
 
 Steps run in the order below, each under its own limit, and none starts once ``--minutes`` are spent (it is reported
-"not run"): the most wanted figures come first.
+"not run"): the most wanted figures come first, issue 47's (a trial against a plain run of its plan, the trial's peak
+taken apart, the search under a tight cap, the search on the 310M GPT), whose first three end within 12 minutes in
+``--quick`` (limits of 150, 180 and 330 s). ``--wheels DIR`` installs the wheels in DIR first (and this checkout,
+editable), in every call: a lent machine may be a fresh one at each call.
 Each step runs in a process of its own with its own time limit, so one failure or hang costs that step only; the
 report (``gpu_check/report.md`` and ``report.json``) names the device, driver and versions, and for every step its
 command, exit status, seconds, the lines that matter and where its full output is (pytest steps keep every failure's
 traceback: ``-rA`` output and a junit XML). Steps:
 
-1. ``pytest -m gpu``: the tests that need CUDA.
-2. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
-3. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
+1. a trial against a plain run (``tests/test_trial_memory.py``, its ``gpu`` test): on the 310M GPT, each step's
+   tensors' peak in a search trial and in a plain Lightning run of the same plan and steps (within 3%; where not,
+   the plain run again with the trial's meter, with and without its FLOP count, says which part adds it).
+2. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
+   ``gpt_350m`` built up one feature at a time, each trial's tensors' peak, reserve and context beside the estimate,
+   and the first plan fitted again as its trial ran, the tensors alive at its peak listed; ``--quick`` on a CPU: one
+   plan of the small GPT example).
+3. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
+   ``--quick``: the GPT example only, under the cap where the CUDA context is most of it, which ended within the
+   325 s an H200 run gave the step while the test suite's hungry target did not; on a CPU its options only).
+4. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
+   16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
+5. ``pytest -m gpu``: the other tests that need CUDA.
+6. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
+7. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
    CPU: its options only, a run takes minutes).
-4. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
+8. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
    under an allocator cap; ``--quick``: on a GPU real memory only, over the 240 steps and 3 seeds its goal is stated
    for (in 60 steps the first long batches' learning was half the excess), on a CPU the tokens rule in 60 steps).
-5. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
-   ``gpt_350m`` built up one feature at a time, each trial's tensors' peak, reserve and context beside the estimate;
-   ``--quick`` on a CPU: one plan of the small GPT example).
-6. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
-   16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
-7. against the alternatives (``benchmarks/vs_alternatives.py``: naive plan, Lightning's BatchSizeFinder, halving;
-   ``--quick``: the GPT example only, which ended within the 325 s an H200 run gave the step while the test
-   suite's hungry target did not; on a CPU its options only).
-8. the whole suite with CUDA visible, less the gpu tests (step 1), last since it is the longest: in parallel on half
-   the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a CPU the
-   layout tests only).
+9. the whole suite with CUDA visible, less the gpu tests (steps 1 and 5), last since it is the longest: in parallel
+   on half the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a
+   CPU the layout tests only).
 
 ``--only`` names steps to run (an unknown name is refused, with the steps' names); ``--suite-paths`` limits the
 whole-suite step to some test files (the rest of a suite an earlier run cut at its limit).
@@ -73,6 +80,38 @@ class Step:
 NEEDED = ("autotune.callbacks", "autotune.search_spaces", "optuna", "jsonargparse", "pytest", "torchao")
 
 
+#: The test that holds a trial's tensors to a plain run's (the first step; the gpu-tests step leaves it out).
+TRIAL_MEMORY_TEST = "tests/test_trial_memory.py"
+#: ``--quick`` on a GPU: the limits of the first three steps (issue 47's items 1 and 2), 11 minutes together.
+QUICK_LIMITS_S = (150, 180, 330)
+
+
+def install_wheels(folder: Path, site: Path) -> str | None:
+    """Install every wheel in ``folder`` into ``site`` (no index, no dependencies: a lent machine has no network)
+    and this checkout in editable mode, and make both importable here and in every step (``sys.path``,
+    ``PYTHONPATH``); None when done, else the one line that says why not. Run at every call: a call may land on a
+    fresh machine, where what an earlier call installed is gone."""
+    import site as site_module
+    import sysconfig
+
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        return f"--wheels {folder}: no .whl files there"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir"]
+    for what, command in ((f"the {len(wheels)} wheels of {folder}",
+                           [*pip, "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)]),
+                          (f"{ROOT} (editable)", [*pip, "--no-build-isolation", "-e", str(ROOT)])):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+            return f"installing {what} failed: {tail[0]}"
+    sys.path.insert(0, str(site))
+    site_module.addsitedir(sysconfig.get_paths()["purelib"])  # the editable install's finder (.pth), here too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    importlib.invalidate_caches()
+    return None
+
+
 def missing_modules(names: tuple[str, ...] = NEEDED) -> list[str]:
     """Those of ``names`` that cannot be imported here."""
     missing = []
@@ -95,8 +134,8 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
     def pytest(name: str, *args: str) -> list[str]:
         return [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={out / (name + '.xml')}", *args]
 
-    # the suite less the gpu tests (step 1 ran them): on a CPU in quick mode the layout tests only; in parallel where
-    # pytest-xdist is installed (a lent GPU machine's cores: the suite takes 15 minutes on 2)
+    # the suite less the gpu tests (steps 1 and 5 ran them): on a CPU in quick mode the layout tests only; in parallel
+    # where pytest-xdist is installed (a lent GPU machine's cores: the suite takes 15 minutes on 2)
     suite = list(suite_paths) if suite_paths else ["tests/test_layout.py"] if cpu_quick else []
     if not cpu_quick and importlib.util.find_spec("xdist") is not None:
         suite += ["-n", str(max(2, min(8, (os.cpu_count() or 2) // 2)))]
@@ -105,8 +144,19 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
     search = [python, "-m", "autotune", "search", search_target, "--budget", budget, "--trials", trials,
               "--device", device, "--out", str(out / "tuned.yaml"), "--storage", f"sqlite:///{out / 'study.db'}",
               "--steps", "3" if quick else "10", "--warmup", "1" if quick else "3"]
+    first = QUICK_LIMITS_S if quick and cuda else (900, 900, 1500)  # issue 47's three, inside 12 minutes in --quick
     return [
-        Step("gpu tests", pytest("gpu-tests", "-m", "gpu", "-q"), 900),
+        Step("trial against a plain run", pytest("trial-memory", "-q", "-m", "gpu", TRIAL_MEMORY_TEST), first[0]),
+        Step("trial against estimate", [python, "benchmarks/trial_vs_estimate.py", "--device", device,
+                                        *(["--quick"] if quick else []),
+                                        "--json", str(out / "trial_vs_estimate.json")], first[1]),
+        Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,
+                                          *(["--help"] if cpu_quick else ["--quick", "--cases", "gpt"] if quick
+                                            else []),
+                                          *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
+             first[2]),
+        Step("realistic search", search, 1500),
+        Step("gpu tests", pytest("gpu-tests", "-m", "gpu", "-q", f"--ignore={TRIAL_MEMORY_TEST}"), 900),
         Step("estimator accuracy", [python, "benchmarks/estimator_accuracy.py", "--device", device,
                                     *(["--quick", "--models", "mlp"] if quick else []),
                                     "--json", str(out / "estimator_accuracy.json")], 900),
@@ -120,15 +170,6 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
                                  *((["--rule", "memory"] if cuda else ["--quick", "--rule", "tokens"]) if quick
                                    else []),
                                  "--json", str(out / "dynamic_padding.json")], 900),
-        Step("trial against estimate", [python, "benchmarks/trial_vs_estimate.py", "--device", device,
-                                        *(["--quick"] if quick else []),
-                                        "--json", str(out / "trial_vs_estimate.json")], 900),
-        Step("realistic search", search, 1500),
-        Step("against the alternatives", [python, "benchmarks/vs_alternatives.py", "--device", device,
-                                          *(["--help"] if cpu_quick else ["--quick", "--cases", "gpt"] if quick
-                                            else []),
-                                          *([] if cpu_quick else ["--json", str(out / "vs_alternatives.json")])],
-             1500),
         # --quick leaves out the slow tests too (99 multi-process and search runs: 12 of CI's 15 minutes)
         Step("whole suite with CUDA visible",
              pytest("suite", "-q", "-m", "not gpu and not slow" if quick else "not gpu", *suite), 1500),
@@ -223,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite-paths", nargs="+", default=None, metavar="PATH",
                         help="the test files or folders the whole-suite step runs (default: all): the rest of a suite "
                              "that an earlier run cut at its limit")
+    parser.add_argument("--wheels", type=Path, default=None, metavar="DIR",
+                        help="install the wheels in DIR (into --site) and this checkout (editable) before any step")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/gpu_check_site"),
+                        help="where --wheels installs (default /tmp/gpu_check_site)")
     parser.add_argument("--minutes", type=float, default=25.0,
                         help="start no step once this many minutes are spent; each step ends by then (default 25)")
     args = parser.parse_args(argv)
@@ -231,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"gpu_check: --suite-paths {missing[0]!r} is not a test file or folder of {ROOT}", file=sys.stderr)
         return 2
+    if args.wheels is not None:
+        failure = install_wheels(args.wheels, args.site)
+        if failure:
+            print(f"gpu_check: {failure}", file=sys.stderr)
+            return 2
     absent = missing_modules()
     if absent:
         print(f"gpu_check: cannot import {', '.join(absent)}: install the package and its test dependencies first "

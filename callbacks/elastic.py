@@ -105,6 +105,9 @@ class ElasticBatchSize(Callback):
         if sample_size is not None and not callable(sample_size):
             raise ValueError(f"`sample_size` must be a function of the batch returning its size per sample, or None; "
                              f"got {sample_size!r}")
+        for name, flag in (("grow", grow), ("protect_update", protect_update)):
+            if flag not in (True, False):
+                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
         _check_positive_int("min_micro_batch_size", min_micro_batch_size, allow_none=False)
         _check_positive_int("grow_after", grow_after, allow_none=False)
         if micro_batch_size is not None and micro_batch_size < min_micro_batch_size:

@@ -427,6 +427,17 @@ MUTATIONS = (
     Mutation("encoder-and-decoder-layers-join", "an encoder-decoder's two kinds of layer are both checkpointed",
              RUNTIME + "blocks.py", "find_blocks", FalseTest("authors"),
              ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
+    Mutation("tuned-file-lists-callbacks-first", "a bad value anywhere in a tuned file is one line under LightningCLI",
+             "autotune/_plan/plan.py", "Plan.tuned_document",
+             Returns("ELASTIC", "{'trainer': {**trainer, 'callbacks+': [{'class_path': ELASTIC, 'init_args': "
+                                "self.elastic_kwargs()}, {'class_path': APPLY, 'init_args': apply}]}}"),
+             ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
+    Mutation("cli-errors-read-the-config-files", "a bad value refused while parsing is one line under LightningCLI",
+             "callbacks/_lightning_cli.py", "_parse_error.error", Assign("problems", "[]"),
+             ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
+    Mutation("dash-values-attached", "`--budget -1GiB` gets our budget message, not argparse's",
+             "autotune/_cli/main.py", "main", Calls("_attach_dash_values", "argv"),
+             ("tests/test_cli.py::test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses",)),
 )
 
 

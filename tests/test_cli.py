@@ -147,3 +147,16 @@ def test_the_search_progress_line_keeps_its_counter_and_fits_the_terminal(width)
     progress.progress.stop()
     line = buf.getvalue().splitlines()[-1]
     assert line.startswith("trial  3/10 ") and len(line) <= width and line.endswith("…")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["search", "x.py:make", "--budget", "-1GiB"], "budget must be bytes like '20GiB', '512MiB' or 4294967296, a "
+     "fraction of total memory in (0, 1] like 0.8, or 'auto'; got '-1GiB'"),
+    (["estimate", "x.py:make", "--device-memory", "-3GiB"], "--device-memory must be a size like 80GiB, 24GB or a "
+     "number of bytes; got '-3GiB'"),
+    (["search", "x.py:make", "--budget", "1GiB", "--trials", "-3"], "trials must be an int >= 1; got -3"),
+])
+def test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses(argv, message, capsys):
+    # argparse alone reads '-1GiB' as an option and answers "expected one argument"
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"autotune: error: {message}\n"

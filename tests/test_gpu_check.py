@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,9 +24,9 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(monkeypatch:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["gpu tests", "estimator accuracy", "elastic overhead and one real OOM", "dynamic padding",
-                     "trial against estimate", "realistic search", "against the alternatives",
-                     "whole suite with CUDA visible"]
+    assert names == ["trial against a plain run", "trial against estimate", "against the alternatives",
+                     "realistic search", "gpu tests", "estimator accuracy", "elastic overhead and one real OOM",
+                     "dynamic padding", "whole suite with CUDA visible"]
     assert all(s["status"] == "ok" for s in report["steps"]), [(s["name"], s["status"]) for s in report["steps"]]
     text = (tmp_path / "report.md").read_text()
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -34,6 +35,7 @@ def test_gpu_check_runs_every_step_and_writes_its_report_on_the_cpu(monkeypatch:
     assert ("driver: none (no NVIDIA driver)" in text) == (driver() is None)  # NVML's driver, whatever torch sees
     assert "| gpu tests | ok | 0 |" in text
     assert (tmp_path / "gpu-tests.xml").exists() and (tmp_path / "tuned.yaml").exists()
+    assert (tmp_path / "trial-memory.xml").exists()
     [row] = json.loads((tmp_path / "trial_vs_estimate.json").read_text())["rows"]  # a trial and its estimate
     assert row["status"] == "ok" and row["peak_bytes"] > row["predicted_bytes"] > 0
     assert row["allocated_peak_bytes"] is None  # a CPU trial has no allocator figures
@@ -44,7 +46,8 @@ def test_gpu_check_refuses_an_unknown_step_in_one_line(tmp_path: Path) -> None:
                            str(tmp_path), "--only", "gpu tests", "dynamic paddin"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
-    assert proc.stderr.startswith("gpu_check: --only 'dynamic paddin' is not a step; the steps: 'gpu tests', ")
+    assert proc.stderr.startswith("gpu_check: --only 'dynamic paddin' is not a step; the steps: 'trial against a "
+                                  "plain run', ")
     assert proc.stderr.count("\n") == 1 and "'whole suite with CUDA visible'" in proc.stderr
 
 
@@ -358,3 +361,47 @@ def test_the_where_report_sets_each_step_of_the_trial_like_fit_beside_the_fit_wi
     failed = {**where, "untraced_failure": "OutOfMemoryError: y"}
     del failed["untraced_step_peaks"]
     assert "without the FLOP count, untraced (GiB): failed: OutOfMemoryError: y\n" in where_lines("eager", failed)
+
+
+def test_quick_on_a_gpu_runs_issue_47s_steps_first_inside_12_minutes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import TRIAL_MEMORY_TEST, steps
+
+    quick = steps("cuda", True, ROOT)
+    assert [s.name for s in quick[:3]] == ["trial against a plain run", "trial against estimate",
+                                           "against the alternatives"]
+    assert sum(s.timeout_s for s in quick[:3]) <= 12 * 60
+    assert quick[0].command[-3:] == ["-m", "gpu", TRIAL_MEMORY_TEST]
+    gpu_tests = next(s for s in quick if s.name == "gpu tests")
+    assert f"--ignore={TRIAL_MEMORY_TEST}" in gpu_tests.command  # the first step ran it
+
+
+def test_wheels_are_installed_into_the_site_and_the_checkout_editable_at_every_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call may land on a fresh machine, where an earlier call's install is gone: ``--wheels`` installs at every
+    call, before the check of what the steps import."""
+    import subprocess as sp
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(sp, "run", lambda command, **kw: ran.append(command) or sp.CompletedProcess(command, 0, "", ""))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    assert gpu_check.install_wheels(wheels, tmp_path / "site") == f"--wheels {wheels}: no .whl files there"
+    for name in ("b-1.0-py3-none-any.whl", "a-2.0-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"")
+    assert gpu_check.install_wheels(wheels, tmp_path / "site") is None
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir"]
+    assert ran == [[*pip, "--no-compile", "--upgrade", "--target", str(tmp_path / "site"),
+                    str(wheels / "a-2.0-py3-none-any.whl"), str(wheels / "b-1.0-py3-none-any.whl")],
+                   [*pip, "--no-build-isolation", "-e", str(ROOT)]]
+    assert sys.path[0] == str(tmp_path / "site")
+    assert os.environ["PYTHONPATH"] == f"{tmp_path / 'site'}{os.pathsep}/elsewhere"  # the steps see it too
+    monkeypatch.setattr(sp, "run", lambda command, **kw: sp.CompletedProcess(command, 1, "", "ERROR: No matching "
+                                                                             "distribution found for setuptools>=69"))
+    assert gpu_check.install_wheels(wheels, tmp_path / "site") == (
+        f"installing the 2 wheels of {wheels} failed: ERROR: No matching distribution found for setuptools>=69")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -367,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_attach_dash_values(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # argparse exits on --help, --version and bad arguments; return its code instead
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
     if args.command is None:
@@ -383,6 +384,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG}: interrupted" + (_interrupted_search(args) if args.command == "search" else ""),
               file=sys.stderr)
         return _EXIT_INTERRUPTED
+
+
+def _attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``, so that our own check of the value names what is wrong with it.
+
+    argparse reads a token that starts with '-' and is not a plain number as an option, and answers "expected one
+    argument"; no option of ours starts with '-' and a digit, so such a token after an option is that option's value.
+
+    Example:
+        >>> _attach_dash_values(["search", "t.py:make", "--budget", "-1GiB", "--trials", "3"])
+        ['search', 't.py:make', '--budget=-1GiB', '--trials', '3']
+    """
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and _DASH_VALUE.match(arg):
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
+_DASH_VALUE = re.compile(r"-\.?\d")
 
 
 def _interrupted_search(args: argparse.Namespace) -> str:

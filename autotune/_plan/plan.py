@@ -327,12 +327,14 @@ class Plan:
             trainer["strategy"] = self.strategy
         if self.devices is not None:
             trainer["devices"] = self.devices
+        # The callbacks come first: resolving their class paths imports autotune.callbacks, whose LightningCLI error
+        # handler then reports a bad value of any key below in one line (callbacks/_lightning_cli.py).
         return {"trainer": {
-            **trainer,
             "callbacks+": [  # jsonargparse appends these to the callbacks of the configs before this one
                 {"class_path": ELASTIC, "init_args": self.elastic_kwargs()},
                 {"class_path": APPLY, "init_args": apply},
             ],
+            **trainer,
         }}
 
     def describe(self) -> str:

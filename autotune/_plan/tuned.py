@@ -51,6 +51,8 @@ _COMMENTS = {
     "pin_memory": "DataModule page-locked host batches for faster copies (null: the DataModule's own)",
     "provenance": "where this plan came from (read by ApplyPlan and load_plan)",
 }
+#: How every tuned file begins: what tells one from a user's config.
+TUNED_HEADER = "# Tuned by lightning-autotune"
 _KEY_LINE = re.compile(r"^(?P<indent>\s*(?:- )?)(?P<key>\w+):")
 
 
@@ -61,7 +63,7 @@ class PlanFileError(ValueError):
 def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, Any], command: str | None) -> str:
     """The text of a tuned file: a header saying what was measured, then ``document`` dumped as YAML with a short
     comment on each setting (none inside the provenance)."""
-    lines = [f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION})."]
+    lines = [f"{TUNED_HEADER} (tuned-file format {FORMAT_VERSION})."]
     if command or provenance.get("command"):
         produced = " ".join(str(command or provenance["command"]).splitlines())  # one comment line, whatever argv held
         lines.append(f"# Produced by: {produced}")
@@ -213,6 +215,25 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if required not in found:
             problems.append(f"trainer.{key_name}: no {required} entry")
     return fields
+
+
+def callback_entries(doc: Any) -> list[tuple[str, str, Any]]:
+    """Where, class path and ``init_args`` of each ``trainer.callbacks`` / ``trainer.callbacks+`` entry of a
+    LightningCLI config document (a list or one entry) that names a class path; anything else is skipped.
+
+    Example:
+        >>> callback_entries({"trainer": {"callbacks+": [{"class_path": "a.B", "init_args": {"x": 1}}]}})
+        [('trainer.callbacks+[0]', 'a.B', {'x': 1})]
+    """
+    trainer = doc.get("trainer") if isinstance(doc, dict) else None
+    entries = []
+    for key_name in ("callbacks", "callbacks+"):
+        listed = trainer.get(key_name) if isinstance(trainer, dict) else None
+        listed = [listed] if isinstance(listed, dict) else listed if isinstance(listed, list) else []
+        for i, entry in enumerate(listed):
+            if isinstance(entry, dict) and isinstance(entry.get("class_path"), str):
+                entries.append((f"trainer.{key_name}[{i}]", entry["class_path"], entry.get("init_args") or {}))
+    return entries
 
 
 #: The top-level keys of a LightningCLI ``fit`` config (a tuned file may be merged into one; targets read them too).

@@ -277,7 +277,9 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
 
 def _run_long_batch(model: Any, path: str, *, at: int) -> None:
     """Make the ``at``-th training batch (0-based; a warm-up step) the one saved at ``path``: the model's
-    ``on_before_batch_transfer`` hands it over in place of the one the dataloader gave (every rank alike)."""
+    ``on_before_batch_transfer`` hands it over in place of the one the dataloader gave (every rank alike), and keeps
+    no reference to it afterwards (a plain run holds no such batch in its later steps: on the CPU, where it would stay
+    resident, it would count in every later step's peak)."""
     import torch
 
     batch = torch.load(path, weights_only=False)
@@ -285,11 +287,11 @@ def _run_long_batch(model: Any, path: str, *, at: int) -> None:
     seen = 0
 
     def on_before_batch_transfer(given: Any, dataloader_idx: int) -> Any:
-        nonlocal seen
+        nonlocal seen, batch
         if model.trainer.training:
             seen += 1
             if seen == at + 1:
-                given = batch
+                given, batch = batch, None
         return original(given, dataloader_idx)
 
     model.on_before_batch_transfer = on_before_batch_transfer
