@@ -149,7 +149,8 @@ class MicroBatchPolicy:
         shapes.model.fitted(ran, shapes.size, max(0, peaks.grows - peaks.static) if peaks is not None else 0)
         if peaks is not None and self._over_budget(ran, n, step, peaks.peak):
             return
-        if not (self.grow and ran < n and self.clean_steps >= self.grow_wait and not shapes.varies):
+        held = self._micro is not None and ran < min(self._micro, n)  # the ranks' count ran less than this rank's
+        if held or not (self.grow and ran < n and self.clean_steps >= self.grow_wait and not shapes.varies):
             return
         self.clean_steps = 0
         target = min(n, ran * 2)

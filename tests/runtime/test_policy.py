@@ -58,3 +58,10 @@ def test_a_soft_budget_checks_this_ranks_own_peak_after_its_step(over: bool) -> 
     p.after_success(n=64, ran=32, clean=True, step=0, peaks=StepPeaks(peak=101 if over else 100))
     assert p.micro_batch_size == (16 if over else 32)
     assert [e.kind for e in p.events] == (["over_budget"] if over else [])
+
+
+def test_a_rank_held_to_the_ranks_count_keeps_its_own_micro_batch_and_does_not_grow_from_the_smaller_one() -> None:
+    p = policy(micro_batch_size=64)  # its batches fit whole; the others' need 4 micro-batches (FSDP2: equal counts)
+    for step in range(4):
+        p.after_success(n=64, ran=16, clean=True, step=step, peaks=None)
+    assert p.micro_batch_size == 64 and p.events == []  # growing from 16 would have set it to 32
