@@ -220,6 +220,39 @@ def fake_tensor_mode(*, allow_non_fake_inputs: bool) -> Any:
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
+def allow_grouped_mm_in_any_dtype() -> None:
+    """Give ``torch._grouped_mm`` (transformers' default mixture-of-experts matmul) a fake-tensor rule for every dtype
+    its kernels take, registered once per process through public ``torch.library.register_fake``: torch's own meta
+    kernel (``torch._meta_registrations.meta_grouped_mm``) still answers bf16, and fp32/fp16 get the same output
+    (``_create_grouped_mm_output_tensor``) without its bf16-only check, which the CPU kernel and CUDA's (torch >= 2.10)
+    do not make. If either private function went away, this raises ImportError and nothing is registered: the
+    estimator's fake trace of an fp32 MoE then fails at the meta check and the real-tensor path answers instead (slower,
+    and not for meta-device models). The rule also serves any other fake trace in the process (torch.compile): it
+    shapes what the kernels compute, so it makes such traces succeed where torch's check refused."""
+    global _GROUPED_MM_RULE
+    import torch
+
+    if _GROUPED_MM_RULE or not hasattr(torch.ops.aten, "_grouped_mm"):
+        return
+    from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+
+    def fake(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
+        if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+            return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        torch._check(mat_a.dtype == mat_b.dtype,
+                     lambda: f"grouped_mm takes one dtype; got {mat_a.dtype} and {mat_b.dtype}")
+        torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                     lambda: f"grouped_mm multiplies 2D or 3D tensors; got {mat_a.dim()}D and {mat_b.dim()}D")
+        torch._check(bias is None, lambda: "grouped_mm takes no bias")
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+    torch.library.register_fake("aten::_grouped_mm", fake)
+    _GROUPED_MM_RULE = True
+
+
+_GROUPED_MM_RULE = False
+
+
 def fake_copy_mode(mode: Any) -> Any:
     """A context in which ``copy.deepcopy`` makes fake copies of real tensors in ``mode``
     (``torch._subclasses.fake_tensor.FakeCopyMode``). If it moved, ``estimate`` could not copy the model onto fake

@@ -40,7 +40,14 @@ import psutil
 import torch
 from torch import nn
 
-from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
+from autotune._compat import (
+    allow_grouped_mm_in_any_dtype,
+    fake_copy_mode,
+    fake_tensor_mode,
+    mem_ref_types,
+    precision_input_dtype,
+    trainer_reference,
+)
 from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._estimate.sharding import cast_unit_inputs
@@ -231,6 +238,11 @@ class _FakeStep:
         self.in_backward = [False]
         self.warm = False
         self.mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
+        if not real:
+            try:  # transformers' MoE experts in fp32 (torch's meta kernel takes bf16 only)
+                allow_grouped_mm_in_any_dtype()
+            except ImportError as error:  # torch moved its meta helpers: such a step goes to the real-tensor path
+                log.debug("autotune: no fake rule for fp32 grouped matmuls (%s)", error)
         trainer = trainer_reference(traces.model)
         memo: dict[int, Any] = {id(trainer): None} if trainer is not None else {}
         if real:  # the copy is made on the host, whatever device the model is on
