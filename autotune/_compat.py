@@ -298,7 +298,7 @@ _NO_HOOK = _NoHook()
 
 
 def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
-                        round_bytes: Callable[[int], int] | None = None) -> Any:
+                        round_bytes: Callable[[int], int] | None = None, timeline_device: str | None = None) -> Any:
     """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) keeping the whole step's peak only, with
     ``extra_bytes(func, args, kwargs, out)`` bytes of kernel work buffers counted as temporaries while each op runs.
 
@@ -310,15 +310,29 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
     estimating a model with a frozen parameter would fail again (a test estimates one).
     ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
     allocated on fake tensors. ``round_bytes`` rounds every storage (CUDA's rules on a CPU trace): it sets the
-    ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it.
+    ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it, which also
+    adds up ``allocated_bytes`` (every storage the step made, at its making: upstream's ``_UpdateType.ADD``).
+    ``timeline_device``: the device type whose bytes alive after each op (with its work buffers) are kept, one list per
+    phase (``timelines``; :meth:`next_phase` starts the next): the real-tensor path lines up the same moments of two
+    micro-batches.
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+    from torch.distributed._tools.mem_tracker import _UpdateType
+
     class StepTracker(MemTracker):
+        allocated_bytes = 0
+        timelines: list[list[int]]
+
         def _update_snap(self, flag: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
             if round_bytes is not None:
                 winfo.mem_consumed = round_bytes(winfo.size * winfo.element_size)
+            if flag == _UpdateType.ADD:
+                self.allocated_bytes += winfo.mem_consumed
             super()._update_snap(flag, winfo, *args, **kwargs)
+
+        def _alive_on(self, device_type: str) -> int:
+            return sum(snap["Total"] for dev, snap in self._curr_mem_snap.items() if dev.type == device_type)
 
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             # A frozen parameter (a fine-tuned model's backbone) takes no gradient hook: upstream registers one on
@@ -340,6 +354,8 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
             ended = {dev: dict(snap) for dev, snap in self._peak_mem_snap.items()}
             self._peak_mem, self._peak_mem_snap = {}, {}
             self._update_peak_stats(None)
+            if timeline_device is not None:
+                self.timelines.append([self._alive_on(timeline_device)])
             return ended
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -352,9 +368,14 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
                 self._update_peak_stats(None)
                 for key in (_MemRefType.TEMP, "Total"):
                     snap[key] -= extra
+            if timeline_device is not None:
+                on_it = snap is not None and args[0].device.type == timeline_device  # the work buffers' device
+                self.timelines[-1].append(self._alive_on(timeline_device) + (extra if on_it else 0))
             return out
 
-    return StepTracker()
+    tracker = StepTracker()
+    tracker.timelines = [[]]
+    return tracker
 
 
 # ------------------------------------------------------------------------------------------------------- Lightning

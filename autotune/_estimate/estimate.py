@@ -121,8 +121,6 @@ def estimate(
         True
         >>> estimate(model=model, batch=batch, plan=Plan(strategy="fsdp"), world_size=8)  # doctest: +SKIP
     """
-    if trace not in ("auto", "real", "line"):
-        raise ValueError(f"trace must be 'auto', 'real' or 'line'; got {trace!r}")
     traces = Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer, world_size=world_size,
                     trace=trace)
     return traces.at(plan.micro_batch_size or traces.size)
@@ -164,7 +162,7 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
-    baseline_bytes: int = 0, seq_len: int | None = None,
+    baseline_bytes: int = 0, seq_len: int | None = None, trace: str = "auto",
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
@@ -174,7 +172,8 @@ def estimate_target(
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
     compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). ``seq_len``: estimate
     the batch at this sequence length (its token ids, masks and labels cut or filled, see ``with_sequence_length``;
-    None: the batch's own). Returns one row per plan, in order.
+    None: the batch's own). ``trace``: how each step is traced, as for :func:`estimate`. Returns one row per plan, in
+    order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -187,7 +186,7 @@ def estimate_target(
     rows = []
     for plan in plans:
         traces = Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
-                         world_size=world_size)
+                        world_size=world_size, trace=trace)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
         room = budget_bytes - baseline_bytes
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,

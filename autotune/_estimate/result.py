@@ -146,6 +146,7 @@ class Phase:
     estimate: Estimate  # one rank alone: the whole model state, no DDP buffers
     update_temporaries: int  # of temporaries: the update's, made per state tensor (sharded with it)
     backward: bool
+    timeline: tuple[int, ...] = ()  # real tensors: the device's bytes alive after each op (no overhead)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ class Traced:
     model: Any  # the fake model and optimizers, for the shards' closed form
     optimizers: list[Any]
     master_dtype: torch.dtype | None
+    flops: int = 0  # real tensors: the step's work (FLOPs of the ops torch counts, bytes allocated)
+    allocated_bytes: int = 0
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
         """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging

@@ -31,7 +31,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -52,10 +51,11 @@ from autotune._runtime.blocks import checkpoint_blocks, offload_activations, sel
 from autotune._runtime.batch import batch_size_of, slice_batch
 from autotune._estimate.sharding import cast_unit_inputs
 from autotune._estimate import real_path
-from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, peak_of, to_bytes
+from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, to_bytes
 from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
 from autotune._estimate.fake_step import (
     OptimizerFactory,
+    StepError,
     bytes_of,
     convert_model,
     fake_batch,
@@ -71,6 +71,7 @@ from autotune._estimate.fake_step import (
 from autotune._runtime.offload import device_part, is_offloaded
 from autotune._runtime.state import RNGState
 from autotune._plan.plan import Plan
+from autotune._device.budget import format_bytes
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
 
@@ -78,10 +79,14 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 
-__all__ = ["Traces"]
+__all__ = ["TRACES", "Traces"]
 
 log = logging.getLogger(__name__)
 
+#: How a step may be traced (``estimate(trace=...)``): without data, falling back to real tensors on the host where
+#: that fails; without data only; with real tensors at the micro-batch asked; with real tensors at micro-batches up to
+#: 4 and from 2 and 4 beyond (a check of the extrapolation).
+TRACES = ("auto", "fake", "real", "line")
 _TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -95,6 +100,8 @@ class Traces:
 
     def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
                  optimizer: OptimizerFactory | None, world_size: int | None = None, trace: str = "auto") -> None:
+        if trace not in TRACES:
+            raise ValueError(f"trace must be one of {', '.join(map(repr, TRACES))}; got {trace!r}")
         if plan.precision not in _TRACEABLE_PRECISIONS:
             raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
                              f"got {plan.precision!r}")
@@ -114,15 +121,16 @@ class Traces:
         self._done: dict[int, Traced] = {}
         self._fake: _FakeStep | None = None
         self._real_done: dict[tuple[int, bool], Traced] = {}  # real traces by (micro-batch, accumulating)
-        self._seconds: dict[tuple[int, bool], float] = {}  # and the host time each took
-        self.real = trace != "auto"  # traced with real tensors on the host (the step reads tensor values, or asked)
-        self.how = trace  # "real": at the micro-batch asked; "line": beyond 4, on the line through 2 and 4
+        self.how = trace  # "auto", "fake", "real" (at the micro-batch asked), "line" (beyond 4 from 2 and 4)
+        self.real = trace in ("real", "line")  # traced with real tensors on the host (asked, or the fake trace failed)
+        self.why_real = f"asked for (trace={trace!r})"  # the real path's reason, its notes' first words
+        self.fake_failure: str | None = None  # why the trace without data failed, where it did
         if self.real:
-            self._check_weights(f"trace={trace!r} runs the step with real tensors")
+            self._check_real_path(f"trace={trace!r} runs the step with real tensors")
 
     def fake_step(self) -> _FakeStep:
         """The fake model and step every micro-batch of this plan is traced with (made at the first); real tensors
-        on the host once the step was found to read values."""
+        on the host once the trace without data failed (or when asked)."""
         if self._fake is None:
             self._fake = _FakeStep(self, real=self.real)
         return self._fake
@@ -141,65 +149,71 @@ class Traces:
         return self._done[micro].over(world, self.plan)
 
     def _traced(self, micro: int) -> Traced:
-        """``micro`` traced with fake tensors; for a step that reads tensor values, with real ones on the host: at
-        ``micro`` itself up to 4 or where the host runs it within ``REAL_SECONDS`` and ``REAL_HOST_SHARE`` of its free
-        memory (judged from micro-batches 1 and 2), else along the line through the two largest powers of two it can
-        (4 at least), a quarter of the larger checking the line."""
+        """``micro`` traced with fake tensors; where that fails for any reason (a step that reads tensor values, an
+        op without a fake rule), with real ones on the host: directly up to ``REAL_DIRECT`` and where its work is
+        within the real path's limits, else from two smaller micro-batches (:mod:`autotune._estimate.real_path`)."""
         if not self.real:
             try:
                 return _trace(self, micro)
-            except _ReadsValues as error:
-                self._go_real(error)
-        if micro <= 4 or self.how == "real":
+            except _FakeFailed as failure:
+                if self.how == "fake":
+                    raise ValueError(str(failure)) from failure.__cause__
+                self._go_real(failure)
+        if micro <= real_path.REAL_DIRECT or self.how == "real":
             return self._real(micro)
         # the small micro-batches traced as the asked one runs: adding to the last gradients (a later micro-batch of
         # a cut batch) or not (the whole batch at once: zero_grad before backward)
         accumulate = micro < self.size
-        one, two = self._real(1, accumulate), self._real(2, accumulate)
-        seconds = self._seconds[2, accumulate] / 2  # per sample, the fixed part in (micro 1 made the copy: not it)
-        slope = peak_of(two) - peak_of(one)
-        free = psutil.virtual_memory().available
-
-        def affordable(m: int) -> bool:
-            within_time = seconds * m <= real_path.REAL_SECONDS
-            return within_time and peak_of(one) + slope * (m - 1) <= real_path.REAL_HOST_SHARE * free
-
-        if self.how == "auto" and affordable(micro):
-            return self._real(micro)
-        b = 4  # lines from micro-batches 1 and 2 missed by up to 70% (a peak set by fixed-size buffers there)
-        while 2 * b < micro and self.how == "auto" and affordable(2 * b):
-            b *= 2
+        if self.how == "line":
+            b, why = real_path.REAL_DIRECT, "trace='line'"
+        else:
+            b, why = real_path.choose(micro=micro, one=self._real(1, accumulate), two=self._real(2, accumulate),
+                                      host_total_bytes=psutil.virtual_memory().total)
+            if b is None:
+                return self._real(micro)
         return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
-                             check=(b // 4, self._real(b // 4, accumulate)))
+                            check=(b // 4, self._real(b // 4, accumulate)), accumulate=accumulate, why=why)
 
     def _real(self, micro: int, accumulate: bool | None = None) -> Traced:
         """``micro`` traced with real tensors (``accumulate``: as a later micro-batch of a cut batch; None: as
         ``micro`` runs), kept."""
         key = (micro, micro < self.size if accumulate is None else accumulate)
         if key not in self._real_done:
-            start = time.perf_counter()
             self._real_done[key] = _trace(self, micro, accumulate=key[1])
-            self._seconds[key] = time.perf_counter() - start
         return self._real_done[key]
 
-    def _go_real(self, error: _ReadsValues) -> None:
+    def _go_real(self, failure: _FakeFailed) -> None:
         """Trace with real tensors from now on, or one line saying why that cannot be done (weights on the meta
-        device)."""
+        device, a model too large for the host)."""
         name = type(self.model).__name__
-        self._check_weights(f"its training_step reads tensor values ({error.detail}), which a trace without data "
-                            "cannot follow")
-        log.info("autotune: %s.training_step reads tensor values (%s); estimating with real tensors on the host",
-                 name, error.detail)
+        why = ("its training_step reads tensor values" if failure.reads
+               else "its step cannot be traced without data") + f" ({failure.detail})"
+        self._check_real_path(why + (", which a trace without data cannot follow" if failure.reads else ""))
+        log.info("autotune: %s: %s; estimating with real tensors on the host", name, why)
         self.real = True
+        self.why_real = ("the step reads tensor values" if failure.reads
+                         else f"the trace without data failed ({failure.detail})")
+        self.fake_failure = failure.detail
         self.forget_fake_step()
 
-    def _check_weights(self, why: str) -> None:
-        """One line (ValueError) when the real-tensor path has no weights to trace with: a meta-device model."""
-        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+    def _check_real_path(self, why: str) -> None:
+        """One line (ValueError) when the real-tensor path cannot trace this model: its weights are on the meta device
+        (none to trace with), or its model state would take more than ``REAL_HOST_SHARE`` of the host's memory."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}.values()
+        name = type(self.model).__name__
+        if any(t.is_meta for t in tensors):
             raise ValueError(
-                f"cannot estimate {type(self.model).__name__}: {why}, and its weights are on the meta device, so "
+                f"cannot estimate {name}: {why}, and its weights are on the meta device, so "
                 "there are none to trace with; estimate the same architecture with real weights at a size the host "
                 "holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
+        state = 4 * sum(t.numel() * t.element_size() for t in tensors)  # weights, gradients, two moments
+        total = psutil.virtual_memory().total
+        if state > real_path.REAL_HOST_SHARE * total:
+            raise ValueError(
+                f"cannot estimate {name}: {why}, and a copy with real tensors would hold about "
+                f"{format_bytes(state)} of model state on this host (weights, gradients and optimizer state), more "
+                f"than {real_path.REAL_HOST_SHARE:.0%} of its {format_bytes(total)}; estimate the same architecture "
+                "at a size the host holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
 
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
@@ -328,13 +342,14 @@ def _kept_random_state() -> Iterator[None]:
         state.restore()
 
 
-class _ReadsValues(ValueError):
-    """A fake trace met a step that reads a tensor's value (``.item()``, a mask checked with ``.all()``, data-dependent
-    routing): the real-tensor path can answer."""
+class _FakeFailed(ValueError):
+    """The trace without data failed (``reads``: at a read of a tensor's value, ``.item()``, a mask checked with
+    ``.all()``, data-dependent routing; else any other error: an op without a fake rule): the real-tensor path can
+    answer."""
 
-    def __init__(self, message: str, detail: str) -> None:
+    def __init__(self, message: str, detail: str, reads: bool) -> None:
         super().__init__(message)
-        self.detail = detail
+        self.detail, self.reads = detail, reads
 
 
 #: What torch's fake tensors raise at a value read (``.item()``) or an output whose shape depends on values
@@ -359,7 +374,7 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
                 fake.warm = True
             if fake.real:  # the last step's gradients, of every parameter (see fill_grads)
                 fake.fill_grads()
-            tracker = step_tracker(cuda_rules=what_if)
+            tracker = step_tracker(cuda_rules=what_if, work_on=device.type if fake.real else None)
             tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
@@ -370,22 +385,24 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except BaseException as error:
             traces.forget_fake_step()  # half a step may have run: the next micro-batch starts from a fresh copy
-            if not isinstance(error, (RuntimeError, NotImplementedError, TypeError)):
+            if not isinstance(error, Exception) or isinstance(error, StepError):
                 raise
             message = " ".join(str(error).split())[:300]
             detail = f"{type(error).__name__}: {message}"
-            where = "with real tensors on the host" if fake.real else "under FakeTensorMode"
-            text = (f"cannot trace {type(traces.model).__name__}.training_step with plan [{plan.describe()}] {where} "
-                    f"({detail})")
-            reads = any(k in type(error).__name__ for k in _READS_VALUES) or any(k in message for k in _READ_CALLS)
-            if reads and not fake.real:
-                raise _ReadsValues(text, detail) from error
+            name, where = type(traces.model).__name__, "under FakeTensorMode"
+            if fake.real:
+                failed = f"under FakeTensorMode ({traces.fake_failure}) nor " if traces.fake_failure else ""
+                where = f"{failed}with real tensors on the host"
+            text = f"cannot trace {name}.training_step with plan [{plan.describe()}] {where} ({detail})"
+            if not fake.real:
+                reads = any(k in type(error).__name__ for k in _READS_VALUES) or any(k in message for k in _READ_CALLS)
+                raise _FakeFailed(text, detail, reads) from error
             raise ValueError(text) from error
         optimizers = fake.optimizers
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
-    real = (f"{REAL_NOTE} {micro}",) if fake.real else ()
+    real = (f"{traces.why_real}: {REAL_NOTE} {micro}",) if fake.real else ()
     notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
     phases = []
     for backward, snapshot in enumerate(snapshots):
@@ -393,8 +410,10 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=traces.what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
-        phases.append(Phase(estimate, update_temporaries, bool(backward)))
-    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
+        timeline = tuple(tracker.timelines[backward]) if fake.real else ()
+        phases.append(Phase(estimate, update_temporaries, bool(backward), timeline))
+    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None,
+                  flops=tracker.flop_count[0], allocated_bytes=tracker.allocated_bytes)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "
