@@ -104,13 +104,13 @@ MUTATIONS = (
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[mixtral-none]",)),
     Mutation("estimate-keeps-user-rng", "the estimator's real path leaves the user's random state alone",
-             "autotune/_estimate/trace.py",
+             "autotune/_estimate/fake_model.py",
              "        rng = _kept_random_state() if self.real else contextlib.nullcontext()",
              "        rng = contextlib.nullcontext()",
              ("tests/test_estimate_reads_values.py::"
               "test_the_real_path_leaves_the_model_and_the_random_state_alone",)),
     Mutation("estimate-every-parameter-updated", "the real path's answer does not depend on what was traced before",
-             "autotune/_estimate/trace.py",
+             "autotune/_estimate/fake_model.py",
              "                if p.requires_grad and p.grad is None:\n                    p.grad = torch.zeros_like(p)\n",
              "                if False:\n                    pass\n",
              ("tests/test_estimate_reads_values.py::"

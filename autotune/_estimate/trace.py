@@ -27,53 +27,25 @@ eager step, and says so.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import logging
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
-from torch import nn
 
-from autotune._compat import (
-    allow_grouped_mm_in_any_dtype,
-    fake_copy_mode,
-    fake_tensor_mode,
-    mem_ref_types,
-    precision_input_dtype,
-    trainer_reference,
-)
-from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
-from autotune._runtime.batch import batch_size_of, slice_batch
-from autotune._estimate.sharding import cast_unit_inputs
-from autotune._estimate import real_path
-from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, to_bytes
-from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
-from autotune._estimate.fake_step import (
-    OptimizerFactory,
-    StepError,
-    bytes_of,
-    convert_model,
-    fake_batch,
-    like_cuda_run,
-    loss_of,
-    offloaded_host_bytes,
-    optimizers_of,
-    precision_plugin,
-    quiet_torch_logs,
-    step_tracker,
-    with_optimizer_state,
-)
-from autotune._runtime.offload import device_part, is_offloaded
-from autotune._runtime.state import RNGState
-from autotune._plan.plan import Plan
+from autotune._compat import mem_ref_types
 from autotune._device.budget import format_bytes
 from autotune._device.probe import DeviceSpec
+from autotune._estimate import real_path
+from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
+from autotune._estimate.fake_model import FakeStep
+from autotune._estimate.fake_step import OptimizerFactory, StepError, bytes_of, fake_batch, quiet_torch_logs, step_tracker
+from autotune._estimate.real_path import REAL_NOTE, extrapolated
 from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
+from autotune._plan.plan import Plan
+from autotune._runtime.batch import batch_size_of, slice_batch
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -119,7 +91,7 @@ class Traces:
                              "CUDA device on a machine that has one, or set optimizer_offload=False")
         self.world_size = _world_size(world_size, plan)
         self._done: dict[int, Traced] = {}
-        self._fake: _FakeStep | None = None
+        self._fake: FakeStep | None = None
         self._real_done: dict[tuple[int, bool], Traced] = {}  # real traces by (micro-batch, accumulating)
         self.how = trace  # "auto", "fake", "real" (at the micro-batch asked), "line" (beyond 4 from 2 and 4)
         self.real = trace in ("real", "line")  # traced with real tensors on the host (asked, or the fake trace failed)
@@ -128,11 +100,11 @@ class Traces:
         if self.real:
             self._check_real_path(f"trace={trace!r} runs the step with real tensors")
 
-    def fake_step(self) -> _FakeStep:
+    def fake_step(self) -> FakeStep:
         """The fake model and step every micro-batch of this plan is traced with (made at the first); real tensors
         on the host once the trace without data failed (or when asked)."""
         if self._fake is None:
-            self._fake = _FakeStep(self, real=self.real)
+            self._fake = FakeStep(self, real=self.real)
         return self._fake
 
     def forget_fake_step(self) -> None:
@@ -229,119 +201,6 @@ class Traces:
                                lambda m: self.at(m, world_size).predicted_peak_bytes, budget_bytes)
 
 
-class _FakeStep:
-    """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step,
-    kept for every micro-batch traced: the warm-up step that makes the gradients and the optimizer state runs once
-    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter). A
-    model that keeps Python state from step to step (a step counter, a list it appends to) is traced after as many
-    steps as micro-batches were traced before; a step whose trace fails drops the copy."""
-
-    def __init__(self, traces: Traces, *, real: bool = False) -> None:
-        # real tensors run on the host, under CUDA's rules for a CUDA target (as a what-if trace does)
-        self.real = real
-        self.device = device = torch.device("cpu") if real else traces.trace_device
-        self.what_if = traces.device.type == "cuda" if real else traces.what_if
-        plan = traces.plan
-        self.precision = precision = precision_plugin(plan.precision, device)
-        if self.what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
-            low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
-            self.autocast: Callable[[], Any] = lambda: CudaAutocast(low)
-        else:  # CPU autocast: checkpointing re-enters it to recompute
-            low = None
-            self.autocast = precision.forward_context if precision is not None else contextlib.nullcontext
-        self.in_backward = [False]
-        self.warm = False
-        self.mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
-        if not real:
-            try:  # transformers' MoE experts in fp32 (torch's meta kernel takes bf16 only)
-                allow_grouped_mm_in_any_dtype()
-            except ImportError as error:  # torch moved its meta helpers: such a step goes to the real-tensor path
-                log.debug("autotune: no fake rule for fp32 grouped matmuls (%s)", error)
-        trainer = trainer_reference(traces.model)
-        memo: dict[int, Any] = {id(trainer): None} if trainer is not None else {}
-        if real:  # the copy is made on the host, whatever device the model is on
-            for t in (*traces.model.parameters(), *traces.model.buffers()):
-                if t.device.type != "cpu":
-                    host = t.detach().to("cpu", copy=True)
-                    memo[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(
-                        t, nn.Parameter) else host
-        with contextlib.nullcontext() if real else fake_copy_mode(self.mode):
-            self.model = fake = copy.deepcopy(traces.model, memo)
-        with self.entered():
-            # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16,
-            # with the fp32 master shards in closed form (rank_state)
-            self.gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
-            convert_model(fake, device, torch.bfloat16 if self.gathered_bf16 else precision_input_dtype(precision))
-            fake.train()
-            if plan.activation_checkpointing:
-                blocks = select_blocks(fake, plan.activation_checkpointing)
-                if low is not None:
-                    _recompute_under(blocks, low, self.in_backward)
-                checkpoint_blocks(blocks, model=fake)
-            if self.gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
-                cast_unit_inputs(fake, torch.bfloat16)
-            optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device),
-                                              plan.optimizer_state, bf16_weights=plan.precision == "bf16-true")
-            self.offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
-            self.host_bytes = offloaded_host_bytes(optimizers) if self.offloaded else 0
-            if self.offloaded:  # the device runs the update of the small parameters only
-                optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
-            self.optimizers = optimizers
-        self.plan = plan
-
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
-        rng = _kept_random_state() if self.real else contextlib.nullcontext()  # the user's RNG untouched
-        with self.mode, rng, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
-            warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-            yield
-
-    def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None,
-             warm_up: bool = False, fill: bool = False) -> None:
-        """Forward (the last gradients alive), ``zero_grad``, backward, update (``fill``: of every parameter, those
-        this step's data left without a gradient given zeros; real tensors only)."""
-        with _offload(self.plan, self.what_if, self.real):
-            with self.autocast():
-                loss = loss_of(self.model, self.model.training_step(inputs, 0))
-            if zero_grad:
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                for p in self.offloaded:
-                    p.grad = None
-            before_backward()
-            self.in_backward[0] = True
-            try:
-                loss.backward()
-            finally:
-                self.in_backward[0] = False
-        del loss
-        if (warm_up or fill) and self.real:  # every parameter updated, as the fake path has it
-            self.fill_grads()
-        for opt in self.optimizers:
-            opt.step()
-
-    def fill_grads(self) -> None:
-        """Real tensors: zeros for the trainable parameters this step left without a gradient (an expert no token
-        was routed to), as the fake path has them: a run's steady state holds every parameter's gradient (the last
-        step's, during the forward) and optimizer state, whichever data each micro-batch routed where."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-
-
-@contextlib.contextmanager
-def _kept_random_state() -> Iterator[None]:
-    """torch's (and CUDA's), Python's and NumPy's random state as they were, whatever the real step draws."""
-    state = RNGState()
-    try:
-        yield
-    finally:
-        state.restore()
-
-
 class _FakeFailed(ValueError):
     """The trace without data failed (``reads``: at a read of a tensor's value, ``.item()``, a mask checked with
     ``.all()``, data-dependent routing; else any other error: an op without a fake rule): the real-tensor path can
@@ -431,35 +290,6 @@ def _untraced(plan: Plan) -> tuple[str, ...]:
     if plan.float8:
         notes.append("float8 is not traced: this is the step without FP8 matrix products")
     return tuple(notes)
-
-
-def _recompute_under(blocks: list[Any], low: torch.dtype, in_backward: list[bool]) -> None:
-    """Checkpointing recomputes a block in backward under the forward's autocast state, which it re-enters for
-    ``torch.autocast`` but not for a function mode: each block's forward enters CUDA's autocast itself while
-    ``in_backward[0]`` (casts not cached: each recomputation makes its own)."""
-    for block in blocks:
-        original = block.forward
-
-        def forward(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            if not in_backward[0]:
-                return __original(*args, **kwargs)
-            with CudaAutocast(low, cache=False):
-                return __original(*args, **kwargs)
-
-        block.forward = forward
-
-
-def _offload(plan: Plan, what_if: bool, real: bool) -> Any:
-    """Activation offload as a run does it; in a what-if trace, saved tensors go to the meta device (the host), or,
-    holding data (the real-tensor path), to bytes outside torch, which the tracker does not see either."""
-    if not plan.activation_offload:
-        return contextlib.nullcontext()
-    if not what_if:
-        return offload_activations(pin_memory=False)
-    if real:
-        return torch.autograd.graph.saved_tensors_hooks(to_bytes, from_bytes)
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.to("meta")),
-                                                    lambda packed: packed[1].to(packed[0]))
 
 
 def _world_size(world_size: int | None, plan: Plan) -> int:
