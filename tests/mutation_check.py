@@ -99,6 +99,11 @@ MUTATIONS = (
              "autotune/_estimate/real_path.py", "    why = over(micro)\n", "    why = None\n",
              ("tests/test_estimate_reads_values.py::test_the_work_of_micro_batches_1_and_2_decides_what_is_traced",
               "tests/test_estimate_reads_values.py::test_a_micro_batch_whose_work_passes_the_limits_is_extrapolated")),
+    Mutation("estimate-names-inert-settings", "checkpointing layers whose own forward never runs is named, and the "
+             "search drops it", "autotune/_estimate/inert.py",
+             "            elif not self._ran & {id(b) for b in self._blocks}:\n", "            elif False:\n",
+             ("tests/test_estimate_inert.py::test_checkpointing_layers_whose_own_forward_never_runs_is_named",
+              "tests/test_estimate_inert.py::test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target")),
     Mutation("estimate-grouped-mm-fp32", "transformers' mixtures of experts in fp32 are traced without data",
              "autotune/_compat.py", '    torch.library.register_fake("aten::_grouped_mm", fake)\n', "",
              ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"

@@ -31,10 +31,11 @@ from autotune._estimate.fake_step import (
     precision_plugin,
     with_optimizer_state,
 )
+from autotune._estimate.inert import Watch
 from autotune._estimate.real_path import from_bytes, to_bytes
 from autotune._estimate.sharding import cast_unit_inputs
 from autotune._plan.plan import Plan
-from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
+from autotune._runtime.blocks import checkpoint_blocks, compile_targets, offload_activations, select_blocks
 from autotune._runtime.offload import device_part, is_offloaded
 from autotune._runtime.state import RNGState
 
@@ -88,11 +89,15 @@ class FakeStep:
             self.gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
             convert_model(fake, device, torch.bfloat16 if self.gathered_bf16 else precision_input_dtype(precision))
             fake.train()
+            self.watch = Watch(fake, plan, device_type=traces.device.type)  # settings that apply to nothing
             if plan.activation_checkpointing:
                 blocks = select_blocks(fake, plan.activation_checkpointing)
                 if low is not None:
                     _recompute_under(blocks, low, self.in_backward)
                 checkpoint_blocks(blocks, model=fake)
+                self.watch.checkpointed(blocks)
+            if plan.compile:  # not traced (the eager step), but whether the modules it compiles run is
+                self.watch.compiled(compile_targets(fake))
             if self.gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
                 cast_unit_inputs(fake, torch.bfloat16)
             optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device),

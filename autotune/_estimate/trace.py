@@ -97,6 +97,7 @@ class Traces:
         self.real = trace in ("real", "line")  # traced with real tensors on the host (asked, or the fake trace failed)
         self.why_real = f"asked for (trace={trace!r})"  # the real path's reason, its notes' first words
         self.fake_failure: str | None = None  # why the trace without data failed, where it did
+        self.inert: dict[str, str] = {}  # the plan's settings that applied to nothing in the steps traced, and why
         if self.real:
             self._check_real_path(f"trace={trace!r} runs the step with real tensors")
 
@@ -131,6 +132,16 @@ class Traces:
                 if self.how == "fake":
                     raise ValueError(str(failure)) from failure.__cause__
                 self._go_real(failure)
+                try:
+                    return self._traced_real(micro)
+                except ValueError:  # real tensors fail too: the next micro-batch tries without data again
+                    self.real, self.fake_failure = False, None
+                    raise
+        return self._traced_real(micro)
+
+    def _traced_real(self, micro: int) -> Traced:
+        """``micro`` with real tensors: directly up to ``REAL_DIRECT``, where its work is within the real path's
+        limits and when asked (``trace="real"``), else from two smaller micro-batches."""
         if micro <= real_path.REAL_DIRECT or self.how == "real":
             return self._real(micro)
         # the small micro-batches traced as the asked one runs: adding to the last gradients (a later micro-batch of
@@ -262,7 +273,9 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
     real = (f"{traces.why_real}: {REAL_NOTE} {micro}",) if fake.real else ()
-    notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
+    traces.inert = fake.watch.inert()
+    notes = (real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
+             + fake.watch.notes())
     phases = []
     for backward, snapshot in enumerate(snapshots):
         estimate, update_temporaries = _estimate_from(

@@ -233,6 +233,12 @@ class SearchEstimator:
         result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
         return None if result is _FAILED else result.predicted_peak_bytes
 
+    def inert(self, plan: Plan) -> dict[str, str]:
+        """The settings of ``plan`` that apply to nothing for the target (:mod:`autotune._estimate.inert`), each with
+        why, from its step traced at one sample; empty when the estimator cannot tell."""
+        result = self._call(lambda traces: (traces.at(1), traces.inert)[1], plan)
+        return {} if result is _FAILED else dict(result)
+
     def method(self, plan: Plan) -> str | None:
         """How ``plan``'s estimate was traced (``Estimate.method``), None when it cannot tell; costs nothing once
         :meth:`tensors` answered."""
