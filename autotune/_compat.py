@@ -314,7 +314,7 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
     adds up ``allocated_bytes`` (every storage the step made, at its making: upstream's ``_UpdateType.ADD``).
     ``timeline_device``: the device type whose bytes alive after each op (with its work buffers) are kept, one list per
     phase (``timelines``; :meth:`next_phase` starts the next): the real-tensor path lines up the same moments of two
-    micro-batches.
+    micro-batches (``timeline_ops``: the op of each of those moments).
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
@@ -323,6 +323,7 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
     class StepTracker(MemTracker):
         allocated_bytes = 0
         timelines: list[list[int]]
+        timeline_ops: list[list[Any]]
 
         def _update_snap(self, flag: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
             if round_bytes is not None:
@@ -356,6 +357,7 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
             self._update_peak_stats(None)
             if timeline_device is not None:
                 self.timelines.append([self._alive_on(timeline_device)])
+                self.timeline_ops.append([None])
             return ended
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -371,10 +373,11 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
             if timeline_device is not None:
                 on_it = snap is not None and args[0].device.type == timeline_device  # the work buffers' device
                 self.timelines[-1].append(self._alive_on(timeline_device) + (extra if on_it else 0))
+                self.timeline_ops[-1].append(func)
             return out
 
     tracker = StepTracker()
-    tracker.timelines = [[]]
+    tracker.timelines, tracker.timeline_ops = [[]], [[]]
     return tracker
 
 

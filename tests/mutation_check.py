@@ -92,7 +92,7 @@ MUTATIONS = (
               "and_says_why")),
     Mutation("estimate-extrapolates-each-moment", "a micro-batch extrapolated follows each moment of the step, not the "
              "line through two peaks",
-             "autotune/_estimate/real_path.py", "    if not pa.timeline or len(pa.timeline) != len(pb.timeline):\n",
+             "autotune/_estimate/real_path.py", "    if not pa.timeline or not pa.ops == pb.ops == pc.ops:\n",
              "    if True:\n",
              ("tests/test_estimate_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_ones",)),
     Mutation("estimate-real-path-limits", "a micro-batch whose work is too much for the host is extrapolated",

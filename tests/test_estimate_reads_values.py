@@ -97,7 +97,7 @@ def test_larger_micro_batches_follow_each_moment_of_two_smaller_ones(name: str) 
         micro = plan.micro_batch_size or 16
         assert (got.method, direct.method) == ("extrapolated", "real") and got.micro_batch_size == micro
         assert got.notes[0].startswith("asked for (trace='line'): traced with real tensors on the host at micro 2 and "
-                                       f"4 and extrapolated to {micro} along each moment's line (trace='line'; micro 1 "
+                                       f"4 and extrapolated to {micro} along each moment's line (trace='line'; micro 3 "
                                        "lies ")
         assert sum(got.breakdown().values()) == got.predicted_peak_bytes
         assert abs(error(got.predicted_peak_bytes, direct.predicted_peak_bytes)) <= 0.01
@@ -113,7 +113,7 @@ def test_a_micro_batch_whose_work_passes_the_limits_is_extrapolated(monkeypatch:
     assert got.method == "extrapolated"
     assert re.fullmatch(r"the step reads tensor values: traced with real tensors on the host at micro 2 and 4 and "
                         r"extrapolated to 8 along each moment's line \(micro 8 would take 3 GFLOP per step, over the "
-                        r"2 the real-tensor path traces; micro 1 lies [\d.]+% off\)", got.notes[0]), got.notes[0]
+                        r"2 the real-tensor path traces; micro 3 lies [\d.]+% off them\)", got.notes[0]), got.notes[0]
     assert abs(error(got.predicted_peak_bytes, direct)) <= 0.01
 
 

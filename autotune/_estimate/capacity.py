@@ -84,6 +84,8 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
         budget_bytes: What one rank's step may hold at its peak (None: the device's memory less the CUDA context).
         max_world_size: The most devices to consider.
         precisions: Precisions to try, in order of preference (default bf16-mixed, then 32-true).
+        trace: How each step is traced, as for :func:`autotune._estimate.estimate.estimate` (``"auto"``, ``"fake"``,
+            ``"real"``).
 
     Raises:
         ValueError: for a bad world size or budget, and as :func:`autotune._estimate.estimate.estimate`.

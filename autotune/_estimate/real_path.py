@@ -7,16 +7,17 @@ get the same answer on an idle host and a busy one. Micro-batches 1 and 2 are tr
 the asked micro-batch ``m`` is on their line: its FLOPs (of the ops torch's flop counter knows), the bytes it allocates
 (every storage the step makes: the traffic of the elementwise ops FLOPs do not count) and the host memory it holds.
 Within ``REAL_FLOPS``, ``REAL_ALLOCATED_BYTES`` and ``REAL_HOST_SHARE`` of the host's memory, ``m`` is traced
-directly; else the largest power of two ``b`` within them (4 at least) and ``b / 2`` are traced, and each moment of
-the step (the bytes alive after each op, the same ops at any micro-batch) is taken along its own line to ``m``: the
-peak is the highest of those moments, so a change of regime past ``b`` (a backward whose peak moves from the update
-to a recomputed block) is seen, where the line through the two peaks missed it by a third. Where the two steps do not
-run the same ops (data-dependent routing), the part of each peak above the model state grows in proportion to the
-micro-batch, which no step's peak exceeds. Either way the answer is at least the line through the two peaks and the
-peak at ``b``: never lower than what the host traced.
+directly; else the largest power of two ``b`` within them (4 at least), ``b / 2`` and ``3 b / 4`` are traced. Where
+the three steps ran the same ops and each moment of ``3 b / 4`` (the bytes alive after an op) lies on the line of the
+same moment of the other two, each moment is taken along its own line to ``m`` and the peak is the highest of them: a change
+of regime past ``b`` (a backward whose peak moves from the update to a recomputed block) is seen, where the line
+through the two peaks missed it by a third. Where they did not (data-dependent routing: which experts run, and with how
+many tokens, follows the data), the part of each peak above the model state grows in proportion to the micro-batch,
+which no step whose tensors are a fixed part plus a part per sample exceeds. Either way the answer is at least the
+line through the two peaks and the peak at ``b``: never lower than what the host traced.
 
 A traced micro-batch here is a :class:`~autotune._estimate.result.Traced` (its ``phases``, each with ``estimate``,
-``update_temporaries``, ``backward`` and ``timeline``; its ``flops`` and ``allocated_bytes``).
+``update_temporaries``, ``backward``, ``timeline`` and ``ops``; its ``flops`` and ``allocated_bytes``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 
 from autotune._device.budget import format_bytes
 
-__all__ = ["REAL_ALLOCATED_BYTES", "REAL_DIRECT", "REAL_FLOPS", "REAL_HOST_SHARE", "REAL_NOTE", "choose",
-           "extrapolated", "from_bytes", "peak_of", "to_bytes"]
+__all__ = ["MOMENT_TOLERANCE", "REAL_ALLOCATED_BYTES", "REAL_DIRECT", "REAL_FLOPS", "REAL_HOST_SHARE", "REAL_NOTE",
+           "choose", "extrapolated", "from_bytes", "peak_of", "to_bytes"]
 
 #: Micro-batches up to this one are always traced directly.
 REAL_DIRECT = 4
@@ -92,11 +93,24 @@ def choose(*, micro: int, one: Any, two: Any, host_total_bytes: int) -> tuple[in
     return b, f"micro {micro} would take {why}"
 
 
-def _at(pa: Any, pb: Any, a: int, b: int, micro: int) -> int | None:
+#: How far (a share of its peak) a moment of the third traced micro-batch may lie off the line of the other two's
+#: for each moment's line to be trusted (CUDA's 512-byte rounding moves moments by a few KiB).
+MOMENT_TOLERANCE = 0.005
+
+
+def _on_lines(pa: Any, pb: Any, pc: Any, a: int, b: int, c: int) -> bool:
+    """Whether a phase's moments lie on lines: the three steps ran the same ops, and each moment of ``c`` lies on the
+    line of ``a`` and ``b`` (not where sizes follow the data, as routed tokens' do)."""
+    if not pa.timeline or not pa.ops == pb.ops == pc.ops:
+        return False
+    share, tolerance = (c - a) / (b - a), MOMENT_TOLERANCE * max(pc.timeline)
+    return all(abs(ya + (yb - ya) * share - yc) <= tolerance for ya, yb, yc in zip(pa.timeline, pb.timeline,
+                                                                                      pc.timeline))
+
+
+def _at(pa: Any, pb: Any, a: int, b: int, micro: int) -> int:
     """A phase's peak at ``micro`` from its moments at ``a`` and ``b``, each on its own line (the overhead beside
-    them); None where the two steps ran different ops (their moments do not pair up)."""
-    if not pa.timeline or len(pa.timeline) != len(pb.timeline):
-        return None
+    them)."""
     share = (micro - a) / (b - a)
     return round(max(ya + (yb - ya) * share for ya, yb in zip(pa.timeline, pb.timeline))) + pb.estimate.overhead_bytes
 
@@ -113,30 +127,32 @@ def _proportional(pb: Any, b: int, micro: int, accumulate: bool) -> int:
 
 def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[int, Any], accumulate: bool,
                  why: str) -> T:
-    """``micro`` from traces at micro-batches ``a`` < ``b`` (see the module notes): each phase's peak from its moments,
-    or in proportion where they do not pair up, at least on the line through the two peaks and at ``b``; its model
-    state and overhead as at ``b``, its temporaries on their line, the activations taking up the rest. The first
-    note says so, why (``why``), and how far another traced micro-batch (``check``) lies off the same rule."""
+    """``micro`` from traces at micro-batches ``a`` < ``b`` (see the module notes): each phase's peak from its moments
+    where a third traced micro-batch (``check``) confirms they lie on lines, else in proportion above the model state;
+    at least on the line through the two peaks and at ``b``; its model state and overhead as at ``b``, its
+    temporaries on their line, the activations taking up the rest. The first note says so, why (``why``), and how far
+    the third lies off."""
 
     def line(x: int, y: int, at: int) -> int:
         return max(0, round(y + (y - x) * (at - b) / (b - a)))
 
-    pairs = list(zip(at_a.phases, at_b.phases))  # type: ignore[attr-defined]
     m, traced = check
-    at_check = max(_at(pa, pb, a, b, m) or line(pa.estimate.predicted_peak_bytes, pb.estimate.predicted_peak_bytes, m)
-                   for pa, pb in pairs)
+    triples = list(zip(at_a.phases, at_b.phases, traced.phases))  # type: ignore[attr-defined]
+    moments = all(_on_lines(pa, pb, pc, a, b, m) for pa, pb, pc in triples)
+    at_check = max(_at(pa, pb, a, b, m) if moments else line(pa.estimate.predicted_peak_bytes,
+                                                              pb.estimate.predicted_peak_bytes, m)
+                   for pa, pb, _ in triples)
     off = abs(at_check - peak_of(traced)) / peak_of(traced)
-    paired = all(_at(pa, pb, a, b, micro) is not None for pa, pb in pairs)
-    how = ("along each moment's line" if paired else
-           "in proportion above the model state (the two ran different ops, as data-dependent routing does)")
+    how = ("along each moment's line" if moments else
+           f"in proportion above the model state (micro {m}'s moments do not lie on their lines: the ops or sizes "
+           "follow the data)")
     head = at_b.phases[0].estimate.notes[0].split(f": {REAL_NOTE}")[0]  # type: ignore[attr-defined]
-    note = (f"{head}: {REAL_NOTE} {a} and {b} and extrapolated to {micro} {how} ({why}; micro {m} lies {off:.1%} "
-            "off)")
+    note = (f"{head}: {REAL_NOTE} {a} and {b} and extrapolated to {micro} {how} ({why}; micro {m} lies {off:.1%} off "
+            f"{'them' if moments else 'the line through the peaks'})")
     phases = []
-    for pa, pb in pairs:
+    for pa, pb, _ in triples:
         ea, eb = pa.estimate, pb.estimate
-        moments = _at(pa, pb, a, b, micro)
-        peak = max(moments if moments is not None else _proportional(pb, b, micro, accumulate),
+        peak = max(_at(pa, pb, a, b, micro) if moments else _proportional(pb, b, micro, accumulate),
                    line(ea.predicted_peak_bytes, eb.predicted_peak_bytes, micro), eb.predicted_peak_bytes)
         # model state and overhead as at b (they do not grow with the samples: at small micro-batches routing may
         # leave experts without gradients, which a larger one gives them), temporaries on their line
@@ -148,7 +164,7 @@ def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[i
                                        host_bytes=max(eb.host_bytes, line(ea.host_bytes, eb.host_bytes, micro)),
                                        micro_batch_size=micro, plan=eb.plan.replace(micro_batch_size=micro),
                                        method="extrapolated", notes=(note, *eb.notes[1:]))
-        phases.append(dataclasses.replace(pb, estimate=estimate, timeline=(),
+        phases.append(dataclasses.replace(pb, estimate=estimate, timeline=(), ops=(),
                                           update_temporaries=line(pa.update_temporaries, pb.update_temporaries, micro)))
     return dataclasses.replace(at_b, phases=tuple(phases))  # type: ignore[type-var]
 

@@ -155,7 +155,7 @@ class Traces:
             if b is None:
                 return self._real(micro)
         return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
-                            check=(b // 4, self._real(b // 4, accumulate)), accumulate=accumulate, why=why)
+                            check=(3 * b // 4, self._real(3 * b // 4, accumulate)), accumulate=accumulate, why=why)
 
     def _real(self, micro: int, accumulate: bool | None = None) -> Traced:
         """``micro`` traced with real tensors (``accumulate``: as a later micro-batch of a cut batch; None: as
@@ -282,8 +282,9 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=traces.what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
-        timeline = tuple(tracker.timelines[backward]) if fake.real else ()
-        phases.append(Phase(estimate, update_temporaries, bool(backward), timeline))
+        timeline, ops = (tuple(tracker.timelines[backward]), tuple(tracker.timeline_ops[backward])) if fake.real \
+            else ((), ())
+        phases.append(Phase(estimate, update_temporaries, bool(backward), timeline, ops))
     return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None,
                   flops=tracker.flop_count[0], allocated_bytes=tracker.allocated_bytes)
 
