@@ -12,8 +12,9 @@ from autotune._plan.space import Dimension, SearchSpace
 
 __all__ = ["INERT_CHECKED", "without_inert"]
 
-#: The dimensions whose choices may apply to nothing for a model.
-INERT_CHECKED = ("activation_checkpointing", "activation_offload", "optimizer_offload", "compile")
+#: The dimensions whose choices may apply to nothing for a model (activation offload does so on the CPU only, where
+#: the space has dropped it already: :meth:`autotune._plan.space.SearchSpace.for_device`).
+INERT_CHECKED = ("activation_checkpointing", "optimizer_offload", "compile")
 
 
 def without_inert(space: SearchSpace, inert: Callable[[Plan], dict[str, str]]) -> SearchSpace:
