@@ -174,6 +174,16 @@ def test_a_meta_device_model_that_reads_values_gets_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_model_too_large_for_the_host_s_real_tensors_gets_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(real_path, "REAL_HOST_SHARE", 1e-9)  # a host whose half holds no model
+    with pytest.raises(ValueError, match=r"^cannot estimate Routed: its training_step reads tensor values \(.*\), "
+                                         r"which a trace without data cannot follow, and a copy with real tensors "
+                                         r"would hold about 264.06 KiB of model state on this host \(weights, gradients "
+                                         r"and optimizer state\), more than 0% of its [\d.]+ GiB; .* and scale the "
+                                         r"per-layer bytes$"):
+        estimate(model=Routed(), batch=routed_batch(), plan=Plan(), device="cpu")
+
+
 def test_the_real_path_leaves_the_model_and_the_random_state_alone() -> None:
     model, batch = bench.build("transformer")
     weights = {k: v.clone() for k, v in model.state_dict().items()}

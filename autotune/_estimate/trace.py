@@ -189,7 +189,8 @@ class Traces:
                 f"cannot estimate {name}: {why}, and its weights are on the meta device, so "
                 "there are none to trace with; estimate the same architecture with real weights at a size the host "
                 "holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
-        state = 4 * sum(t.numel() * t.element_size() for t in tensors)  # weights, gradients, two moments
+        state = sum(t.numel() * t.element_size() * (4 if t.requires_grad else 1)  # gradients and two moments
+                    for t in tensors)
         total = psutil.virtual_memory().total
         if state > real_path.REAL_HOST_SHARE * total:
             raise ValueError(
