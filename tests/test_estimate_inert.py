@@ -109,7 +109,7 @@ def test_a_search_of_such_a_target_tries_no_checkpointing_and_says_so_once(
     monkeypatch.setattr(search_module, "run_trial", played)
     monkeypatch.setattr(trial_module, "run_trial", played)  # the CPU baseline's short run
     result = search_module.search(target=f"{TARGET}:make", budget="2GiB", space="cpu", trials=2, seed=0,
-                                  device="cpu", storage=f"sqlite:///{tmp_path}/s.db")
+                                  device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=tmp_path / "tuned.yaml")
     assert [n for n in result.notes if "for this target" in n] == [
         "activation_checkpointing=0.5, 1.0 dropped for this target: it applies to nothing (the 4 Parts block(s) it "
         "wraps never run their own forward in the step (their parts are called by hand), so nothing is recomputed); "
