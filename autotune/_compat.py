@@ -244,6 +244,39 @@ def fake_tensor_mode(*, allow_non_fake_inputs: bool) -> Any:
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
+def allow_grouped_mm_in_any_dtype() -> None:
+    """Give ``torch._grouped_mm`` (transformers' default mixture-of-experts matmul) a fake-tensor rule for every dtype
+    its kernels take, registered once per process through public ``torch.library.register_fake``: torch's own meta
+    kernel (``torch._meta_registrations.meta_grouped_mm``) still answers bf16, and fp32/fp16 get the same output
+    (``_create_grouped_mm_output_tensor``) without its bf16-only check, which the CPU kernel and CUDA's (torch >= 2.10)
+    do not make. If either private function went away, this raises ImportError and nothing is registered: the
+    estimator's fake trace of an fp32 MoE then fails at the meta check and the real-tensor path answers instead (slower,
+    and not for meta-device models). The rule also serves any other fake trace in the process (torch.compile): it
+    shapes what the kernels compute, so it makes such traces succeed where torch's check refused."""
+    global _GROUPED_MM_RULE
+    import torch
+
+    if _GROUPED_MM_RULE or not hasattr(torch.ops.aten, "_grouped_mm"):
+        return
+    from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+
+    def fake(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
+        if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+            return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        torch._check(mat_a.dtype == mat_b.dtype,
+                     lambda: f"grouped_mm takes one dtype; got {mat_a.dtype} and {mat_b.dtype}")
+        torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                     lambda: f"grouped_mm multiplies 2D or 3D tensors; got {mat_a.dim()}D and {mat_b.dim()}D")
+        torch._check(bias is None, lambda: "grouped_mm takes no bias")
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+    torch.library.register_fake("aten::_grouped_mm", fake)
+    _GROUPED_MM_RULE = True
+
+
+_GROUPED_MM_RULE = False
+
+
 def fake_copy_mode(mode: Any) -> Any:
     """A context in which ``copy.deepcopy`` makes fake copies of real tensors in ``mode``
     (``torch._subclasses.fake_tensor.FakeCopyMode``). If it moved, ``estimate`` could not copy the model onto fake
@@ -289,7 +322,7 @@ _NO_HOOK = _NoHook()
 
 
 def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
-                        round_bytes: Callable[[int], int] | None = None) -> Any:
+                        round_bytes: Callable[[int], int] | None = None, timeline_device: str | None = None) -> Any:
     """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) keeping the whole step's peak only, with
     ``extra_bytes(func, args, kwargs, out)`` bytes of kernel work buffers counted as temporaries while each op runs.
 
@@ -301,15 +334,30 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
     estimating a model with a frozen parameter would fail again (a test estimates one).
     ``torch.cuda.max_memory_allocated`` is no alternative: nothing is
     allocated on fake tensors. ``round_bytes`` rounds every storage (CUDA's rules on a CPU trace): it sets the
-    ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it.
+    ``mem_consumed`` of upstream's ``_WeakRefInfo`` in ``_update_snap`` before each update counts it, which also
+    adds up ``allocated_bytes`` (every storage the step made, at its making: upstream's ``_UpdateType.ADD``).
+    ``timeline_device``: the device type whose bytes alive after each op (with its work buffers) are kept, one list per
+    phase (``timelines``; :meth:`next_phase` starts the next): the real-tensor path lines up the same moments of two
+    micro-batches (``timeline_ops``: the op of each of those moments).
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+    from torch.distributed._tools.mem_tracker import _UpdateType
+
     class StepTracker(MemTracker):
+        allocated_bytes = 0
+        timelines: list[list[int]]
+        timeline_ops: list[list[Any]]
+
         def _update_snap(self, flag: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
             if round_bytes is not None:
                 winfo.mem_consumed = round_bytes(winfo.size * winfo.element_size)
+            if flag == _UpdateType.ADD:
+                self.allocated_bytes += winfo.mem_consumed
             super()._update_snap(flag, winfo, *args, **kwargs)
+
+        def _alive_on(self, device_type: str) -> int:
+            return sum(snap["Total"] for dev, snap in self._curr_mem_snap.items() if dev.type == device_type)
 
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             # A frozen parameter (a fine-tuned model's backbone) takes no gradient hook: upstream registers one on
@@ -331,6 +379,9 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
             ended = {dev: dict(snap) for dev, snap in self._peak_mem_snap.items()}
             self._peak_mem, self._peak_mem_snap = {}, {}
             self._update_peak_stats(None)
+            if timeline_device is not None:
+                self.timelines.append([self._alive_on(timeline_device)])
+                self.timeline_ops.append([None])
             return ended
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -343,9 +394,15 @@ def peak_memory_tracker(extra_bytes: Callable[[Any, Any, Any, Any], int],
                 self._update_peak_stats(None)
                 for key in (_MemRefType.TEMP, "Total"):
                     snap[key] -= extra
+            if timeline_device is not None:
+                on_it = snap is not None and args[0].device.type == timeline_device  # the work buffers' device
+                self.timelines[-1].append(self._alive_on(timeline_device) + (extra if on_it else 0))
+                self.timeline_ops[-1].append(func)
             return out
 
-    return StepTracker()
+    tracker = StepTracker()
+    tracker.timelines, tracker.timeline_ops = [[]], [[]]
+    return tracker
 
 
 # ------------------------------------------------------------------------------------------------------- Lightning

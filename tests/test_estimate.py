@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 import autotune
+import autotune._estimate.fake_model as fake_model
 import autotune._estimate.trace as estimator
 from autotune import Estimate, Plan, estimate
 from autotune._cli.main import main
@@ -185,7 +186,7 @@ def test_bf16_true_halves_parameters_and_optimizer_state(gpt, gpt_estimates):
 
 def test_offload_on_cpu_is_applied_and_saves_nothing(monkeypatch):
     entered = []
-    real = estimator.offload_activations
+    real = fake_model.offload_activations
 
     @contextlib.contextmanager
     def spy(*, pin_memory):
@@ -193,7 +194,7 @@ def test_offload_on_cpu_is_applied_and_saves_nothing(monkeypatch):
         with real(pin_memory=pin_memory):
             yield
 
-    monkeypatch.setattr(estimator, "offload_activations", spy)
+    monkeypatch.setattr(fake_model, "offload_activations", spy)
     model, batch = TinyMLP(), tiny_batch()
     kept = estimate(model=model, batch=batch, plan=Plan(), device="cpu")
     assert entered == []

@@ -118,7 +118,16 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", default=None, metavar="N",
                         help="ranks the plans run on: each row is one rank's peak (replicated under ddp, sharded "
                         "under fsdp; default: a plan's devices, else 1)")
+    parser.add_argument("--trace", default="auto", choices=_TRACE_CHOICES,
+                        help="how each step is traced: auto (without data, and with real tensors on the host where "
+                        "that fails: a step that reads tensor values, an op without a fake rule), fake (without data "
+                        "only: a failure is an error), real (real tensors on the host at each row's micro-batch, "
+                        "however long it takes; default: auto)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list, with bytes as integers")
+
+
+#: ``--trace``'s choices (``estimate(trace=...)`` also takes "line", a check of the real path's extrapolation).
+_TRACE_CHOICES = ("auto", "fake", "real")
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -160,11 +169,14 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.rank import SearchEstimator
 
-        estimator = SearchEstimator(target, resolved)
+        estimator = SearchEstimator(target, resolved, trace=args.trace,
+                                    unestimated="the process baseline is not measured (this process's memory stands "
+                                    "in for it)")
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
         baseline, measured = estimator.baseline, estimator.calibrated
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
-                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len)
+                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len,
+                           trace=args.trace)
     if measured:  # on CPU, a row within the estimate's error of the budget is settled by a short run of it
         spec = {"target": args.target or args.config, "config": args.config if args.target else None}
         rows = [_settled(row, **spec) if abs(row.peak_bytes - row.budget_bytes) <= SETTLE_BAND * row.budget_bytes
@@ -182,7 +194,8 @@ def _run_capacity(args: argparse.Namespace, *, target: Any, device: Any, what_if
 
     batch = first_batch(target, seq_len=seq_len)
     rows = estimate_capacity(model=target.model, batch=batch, device=device, device_memory_bytes=memory,
-                             budget_bytes=usable, max_world_size=most, precisions=args.precision or None)
+                             budget_bytes=usable, max_world_size=most, precisions=args.precision or None,
+                             trace=args.trace)
     last = rows[-1]
     if args.json:
         print(json.dumps({"device": str(device), "what_if": what_if, "device_memory_bytes": memory,
@@ -294,8 +307,8 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
               "pages, as for a search's trials"] = None
     elif first.baseline_bytes:
         notes[f"the peaks include this process's memory now, {format_bytes(first.baseline_bytes)}, in place of the "
-              "process baseline, which could not be measured (the short training run failed): on CPU the budget is "
-              "the process's resident set net of file pages"] = None
+              "process baseline, which could not be measured (the short training run or its estimate failed): on CPU "
+              "the budget is the process's resident set net of file pages"] = None
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 

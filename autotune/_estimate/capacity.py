@@ -72,7 +72,8 @@ def world_sizes(max_world_size: int) -> list[int]:
 
 
 def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memory_bytes: int, max_world_size: int,
-                      precisions: Sequence[str] | None = None, budget_bytes: int | None = None) -> list[CapacityRow]:
+                      precisions: Sequence[str] | None = None, budget_bytes: int | None = None,
+                      trace: str = "auto") -> list[CapacityRow]:
     """The rows of the capacity answer, one per world size up to the first where a plan fits (the last row).
 
     Args:
@@ -83,6 +84,8 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
         budget_bytes: What one rank's step may hold at its peak (None: the device's memory less the CUDA context).
         max_world_size: The most devices to consider.
         precisions: Precisions to try, in order of preference (default bf16-mixed, then 32-true).
+        trace: How each step is traced, as for :func:`autotune._estimate.estimate.estimate` (``"auto"``, ``"fake"``,
+            ``"real"``).
 
     Raises:
         ValueError: for a bad world size or budget, and as :func:`autotune._estimate.estimate.estimate`.
@@ -105,7 +108,7 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
     traces = {shape: Traces(model=model, batch=batch, optimizer=None, device=resolved,
                             plan=Plan(precision=shape[0], activation_checkpointing=shape[1],
                                       strategy="fsdp" if shape[2] else "auto"),
-                            world_size=2 if shape[2] else 1)
+                            world_size=2 if shape[2] else 1, trace=trace)
               for shape in shapes}
     rows = []
     for world in sizes:

@@ -88,12 +88,15 @@ def estimate(
 ) -> Estimate:
     """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
 
-    Nothing runs on the device and ``model`` is not touched: a copy without data is traced. A step that reads tensor
-    values (``.item()``, a mask checked with ``.all()``, data-dependent routing) cannot be traced without data: a
-    copy with real weights then runs on the host, at the micro-batch asked where the host runs it within 5 s and half
-    its free memory, else along the line through two smaller powers of two (``Estimate.method`` and the first of
-    ``Estimate.notes`` say which, and how far a third micro-batch lies off that line). CUDA's rules (allocator
-    rounding, workspaces, autocast op lists) apply on either path.
+    Nothing runs on the device and ``model`` is not touched: a copy without data is traced. Where that trace fails (a
+    step that reads tensor values: ``.item()``, a mask checked with ``.all()``, data-dependent routing; an op without
+    a fake rule), a copy with real weights runs on the host instead: at the micro-batch asked up to 4, and where the
+    work of its step (FLOPs, bytes allocated, host memory held: on the line through micro-batches 1 and 2) is within the
+    real path's limits; else each moment of the step is taken from two smaller powers of two to it. The rule is the
+    work's, never the clock's: the same answer on a busy host. ``Estimate.method`` and the first of ``Estimate.notes``
+    say which and why. CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on either path. A
+    checkpointing, compile or offload setting that applies to nothing (blocks whose own forward never runs) is named in
+    the notes.
 
     Args:
         model: The LightningModule (automatic optimization).
@@ -105,24 +108,23 @@ def estimate(
         world_size: The ranks the plan runs on (None: the plan's ``devices``, else 1); the estimate is one rank's:
             replicated model state under DDP (plus its gradient buckets), sharded under ``strategy="fsdp"`` (the
             shards, plus the gathered units), and the rank's micro-batch of activations.
-        trace: ``"auto"`` (without data; with real tensors on the host when the step reads values), ``"real"``
-            (with real tensors on the host at the micro-batch asked, whatever the step does and however long the host
-            takes: a cross-check of the first path) or ``"line"``
-            (real tensors at micro-batches up to 4, larger ones on the line through 2 and 4, however fast the host:
-            a check of the extrapolation that models too costly for the host get).
+        trace: ``"auto"`` (without data; with real tensors on the host where that fails), ``"fake"`` (without data
+            only: a failure is a ``ValueError``), ``"real"`` (with real tensors on the host at the micro-batch asked,
+            whatever the step does and however much work it is: a cross-check of the first path) or ``"line"`` (real
+            tensors at micro-batches up to 4, larger ones from the moments of 2 and 4, whatever their work: a check of
+            the extrapolation that steps too costly for the host get).
 
     Raises:
         ValueError: for a bad device, a batch without tensors, a micro-batch larger than the batch, a precision the
-            estimator does not trace, manual optimization, a ``training_step`` that cannot be traced, a bad
-            ``world_size`` or ``trace``, or a step that reads values of a model on the meta device.
+            estimator does not trace, manual optimization, a ``training_step`` that cannot be traced (on either path),
+            a bad ``world_size`` or ``trace``, or a step that needs real tensors of a model on the meta device or too
+            large for the host.
 
     Example:
         >>> estimate(model=model, batch=batch, plan=Plan(micro_batch_size=8)).fits(2**30)  # doctest: +SKIP
         True
         >>> estimate(model=model, batch=batch, plan=Plan(strategy="fsdp"), world_size=8)  # doctest: +SKIP
     """
-    if trace not in ("auto", "real", "line"):
-        raise ValueError(f"trace must be 'auto', 'real' or 'line'; got {trace!r}")
     traces = Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer, world_size=world_size,
                     trace=trace)
     return traces.at(plan.micro_batch_size or traces.size)
@@ -164,7 +166,7 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
-    baseline_bytes: int = 0, seq_len: int | None = None,
+    baseline_bytes: int = 0, seq_len: int | None = None, trace: str = "auto",
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
@@ -174,7 +176,8 @@ def estimate_target(
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
     compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). ``seq_len``: estimate
     the batch at this sequence length (its token ids, masks and labels cut or filled, see ``with_sequence_length``;
-    None: the batch's own). Returns one row per plan, in order.
+    None: the batch's own). ``trace``: how each step is traced, as for :func:`estimate`. Returns one row per plan, in
+    order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -187,7 +190,7 @@ def estimate_target(
     rows = []
     for plan in plans:
         traces = Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
-                         world_size=world_size)
+                        world_size=world_size, trace=trace)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
         room = budget_bytes - baseline_bytes
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import flop_registry
 
 from autotune._compat import (
     module_tensor_slots,
@@ -32,14 +33,27 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
-def step_tracker(*, cuda_rules: bool = False) -> Any:
+def step_tracker(*, cuda_rules: bool = False, work_on: str | None = None) -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
     work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``).
     ``cuda_rules``: a CPU trace of a CUDA step (every storage rounded as CUDA's allocator does, no CPU work buffers).
+    ``work_on``: a device type whose bytes alive after each op are kept (the tracker's ``timelines``), with the
+    step's FLOPs (``flops``, of the ops torch's flop counter knows) and the bytes it allocated (``allocated_bytes``):
+    the real-tensor path's measure of a step's work and its moments.
     """
     workspace = Workspace(cpu_kernels=not cuda_rules)
-    tracker = peak_memory_tracker(workspace.bytes_of, round_cuda if cuda_rules else None)
+    count = [0]
+
+    def extra(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        formula = flop_registry.get(getattr(func, "overloadpacket", None))
+        if formula is not None:
+            count[0] += int(formula(*args, **(kwargs or {}), out_val=out))
+        return workspace.bytes_of(func, args, kwargs, out)
+
+    tracker = peak_memory_tracker(extra if work_on is not None else workspace.bytes_of,
+                                  round_cuda if cuda_rules else None, timeline_device=work_on)
     tracker.workspace = workspace
+    tracker.flop_count = count
     return tracker
 
 
@@ -130,10 +144,15 @@ def fake_batch(mode: Any, batch: Any, device: torch.device, precision: Any) -> t
     return fake, found
 
 
+class StepError(ValueError):
+    """A training step the estimator cannot take whatever the tensors (it returns no loss): raised as it is, never
+    sent to the real-tensor path."""
+
+
 def loss_of(model: nn.Module, output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"{type(model).__name__}.training_step returned {type(output).__name__}, not a loss tensor "
+        raise StepError(f"{type(model).__name__}.training_step returned {type(output).__name__}, not a loss tensor "
                          "or a dict with 'loss'; the estimator traces steps that return a loss")
     return loss
 

@@ -50,11 +50,14 @@ class Estimate:
         context_bytes: On CUDA, device memory the process holds outside the caching allocator (the CUDA context,
             :data:`autotune._estimate.cuda_rules.CUDA_CONTEXT_BYTES`): not in the peak, which is what
             ``max_memory_allocated`` reports, but not free for it either; 0 on the CPU.
-        notes: What the estimate measured on this machine or left out (kernel work buffers), one sentence each; for
-            a ``method`` other than ``"fake"``, the first says how it was traced and how close to a line the peak was.
+        notes: What the estimate measured on this machine or left out (kernel work buffers), and the plan's settings
+            that apply to nothing for this model, one sentence each; for a ``method`` other than ``"fake"``, the first
+            says why the step was traced with real tensors, at which micro-batches, and (extrapolated) which limit
+            of the real path the asked one passed.
         method: How the step was traced: ``"fake"`` (tensors without data, at this micro-batch), ``"real"`` (real
-            tensors on the host, at this micro-batch: the step reads tensor values) or ``"extrapolated"`` (real
-            tensors at two small micro-batches, the line through them taken to this one).
+            tensors on the host, at this micro-batch: the trace without data failed, or ``trace="real"``) or
+            ``"extrapolated"`` (real tensors at two smaller micro-batches, each moment of the step taken along its
+            line to this one).
 
     Example:
         >>> e = estimate(model=model, batch=batch, plan=Plan(precision="bf16-mixed"))  # doctest: +SKIP
@@ -146,6 +149,8 @@ class Phase:
     estimate: Estimate  # one rank alone: the whole model state, no DDP buffers
     update_temporaries: int  # of temporaries: the update's, made per state tensor (sharded with it)
     backward: bool
+    timeline: tuple[int, ...] = ()  # real tensors: the device's bytes alive after each op (no overhead)
+    ops: tuple[Any, ...] = ()  # and those ops
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ class Traced:
     model: Any  # the fake model and optimizers, for the shards' closed form
     optimizers: list[Any]
     master_dtype: torch.dtype | None
+    flops: int = 0  # real tensors: the step's work (FLOPs of the ops torch counts, bytes allocated)
+    allocated_bytes: int = 0
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
         """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging

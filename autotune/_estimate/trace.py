@@ -27,54 +27,38 @@ eager step, and says so.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import logging
-import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
-from torch import nn
 
-from autotune._compat import fake_copy_mode, fake_tensor_mode, mem_ref_types, precision_input_dtype, trainer_reference
-from autotune._runtime.blocks import checkpoint_blocks, offload_activations, select_blocks
-from autotune._runtime.batch import batch_size_of, slice_batch
-from autotune._estimate.sharding import cast_unit_inputs
-from autotune._estimate import real_path
-from autotune._estimate.real_path import REAL_NOTE, extrapolated, from_bytes, peak_of, to_bytes
-from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, CudaAutocast, cublas_workspace_bytes
-from autotune._estimate.fake_step import (
-    OptimizerFactory,
-    bytes_of,
-    convert_model,
-    fake_batch,
-    like_cuda_run,
-    loss_of,
-    offloaded_host_bytes,
-    optimizers_of,
-    precision_plugin,
-    quiet_torch_logs,
-    step_tracker,
-    with_optimizer_state,
-)
-from autotune._runtime.offload import device_part, is_offloaded
-from autotune._runtime.state import RNGState
-from autotune._plan.plan import Plan
+from autotune._compat import mem_ref_types
+from autotune._device.budget import format_bytes
 from autotune._device.probe import DeviceSpec
+from autotune._estimate import real_path
+from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
+from autotune._estimate.fake_model import FakeStep
+from autotune._estimate.fake_step import OptimizerFactory, StepError, bytes_of, fake_batch, quiet_torch_logs, step_tracker
+from autotune._estimate.real_path import REAL_NOTE, extrapolated
 from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
+from autotune._plan.plan import Plan
+from autotune._runtime.batch import batch_size_of, slice_batch
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 
-__all__ = ["Traces"]
+__all__ = ["TRACES", "Traces"]
 
 log = logging.getLogger(__name__)
 
+#: How a step may be traced (``estimate(trace=...)``): without data, falling back to real tensors on the host where
+#: that fails; without data only; with real tensors at the micro-batch asked; with real tensors at micro-batches up to
+#: 4 and from 2 and 4 beyond (a check of the extrapolation).
+TRACES = ("auto", "fake", "real", "line")
 _TRACEABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -88,6 +72,8 @@ class Traces:
 
     def __init__(self, *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec,
                  optimizer: OptimizerFactory | None, world_size: int | None = None, trace: str = "auto") -> None:
+        if trace not in TRACES:
+            raise ValueError(f"trace must be one of {', '.join(map(repr, TRACES))}; got {trace!r}")
         if plan.precision not in _TRACEABLE_PRECISIONS:
             raise ValueError(f"the estimator traces precision {', '.join(_TRACEABLE_PRECISIONS)}; "
                              f"got {plan.precision!r}")
@@ -105,19 +91,21 @@ class Traces:
                              "CUDA device on a machine that has one, or set optimizer_offload=False")
         self.world_size = _world_size(world_size, plan)
         self._done: dict[int, Traced] = {}
-        self._fake: _FakeStep | None = None
+        self._fake: FakeStep | None = None
         self._real_done: dict[tuple[int, bool], Traced] = {}  # real traces by (micro-batch, accumulating)
-        self._seconds: dict[tuple[int, bool], float] = {}  # and the host time each took
-        self.real = trace != "auto"  # traced with real tensors on the host (the step reads tensor values, or asked)
-        self.how = trace  # "real": at the micro-batch asked; "line": beyond 4, on the line through 2 and 4
+        self.how = trace  # "auto", "fake", "real" (at the micro-batch asked), "line" (beyond 4 from 2 and 4)
+        self.real = trace in ("real", "line")  # traced with real tensors on the host (asked, or the fake trace failed)
+        self.why_real = f"asked for (trace={trace!r})"  # the real path's reason, its notes' first words
+        self.fake_failure: str | None = None  # why the trace without data failed, where it did
+        self.inert: dict[str, str] = {}  # the plan's settings that applied to nothing in the steps traced, and why
         if self.real:
-            self._check_weights(f"trace={trace!r} runs the step with real tensors")
+            self._check_real_path(f"trace={trace!r} runs the step with real tensors")
 
-    def fake_step(self) -> _FakeStep:
+    def fake_step(self) -> FakeStep:
         """The fake model and step every micro-batch of this plan is traced with (made at the first); real tensors
-        on the host once the step was found to read values."""
+        on the host once the trace without data failed (or when asked)."""
         if self._fake is None:
-            self._fake = _FakeStep(self, real=self.real)
+            self._fake = FakeStep(self, real=self.real)
         return self._fake
 
     def forget_fake_step(self) -> None:
@@ -134,65 +122,82 @@ class Traces:
         return self._done[micro].over(world, self.plan)
 
     def _traced(self, micro: int) -> Traced:
-        """``micro`` traced with fake tensors; for a step that reads tensor values, with real ones on the host: at
-        ``micro`` itself up to 4 or where the host runs it within ``REAL_SECONDS`` and ``REAL_HOST_SHARE`` of its free
-        memory (judged from micro-batches 1 and 2), else along the line through the two largest powers of two it can
-        (4 at least), a quarter of the larger checking the line."""
+        """``micro`` traced with fake tensors; where that fails for any reason (a step that reads tensor values, an
+        op without a fake rule), with real ones on the host: directly up to ``REAL_DIRECT`` and where its work is
+        within the real path's limits, else from two smaller micro-batches (:mod:`autotune._estimate.real_path`)."""
         if not self.real:
             try:
                 return _trace(self, micro)
-            except _ReadsValues as error:
-                self._go_real(error)
-        if micro <= 4 or self.how == "real":
+            except _FakeFailed as failure:
+                if self.how == "fake":
+                    raise ValueError(str(failure)) from failure.__cause__
+                self._go_real(failure)
+                try:
+                    return self._traced_real(micro)
+                except ValueError:  # real tensors fail too: the next micro-batch tries without data again
+                    self.real, self.fake_failure = False, None
+                    raise
+        return self._traced_real(micro)
+
+    def _traced_real(self, micro: int) -> Traced:
+        """``micro`` with real tensors: directly up to ``REAL_DIRECT``, where its work is within the real path's
+        limits and when asked (``trace="real"``), else from two smaller micro-batches."""
+        if micro <= real_path.REAL_DIRECT or self.how == "real":
             return self._real(micro)
         # the small micro-batches traced as the asked one runs: adding to the last gradients (a later micro-batch of
         # a cut batch) or not (the whole batch at once: zero_grad before backward)
         accumulate = micro < self.size
-        one, two = self._real(1, accumulate), self._real(2, accumulate)
-        seconds = self._seconds[2, accumulate] / 2  # per sample, the fixed part in (micro 1 made the copy: not it)
-        slope = peak_of(two) - peak_of(one)
-        free = psutil.virtual_memory().available
-
-        def affordable(m: int) -> bool:
-            within_time = seconds * m <= real_path.REAL_SECONDS
-            return within_time and peak_of(one) + slope * (m - 1) <= real_path.REAL_HOST_SHARE * free
-
-        if self.how == "auto" and affordable(micro):
-            return self._real(micro)
-        b = 4  # lines from micro-batches 1 and 2 missed by up to 70% (a peak set by fixed-size buffers there)
-        while 2 * b < micro and self.how == "auto" and affordable(2 * b):
-            b *= 2
+        if self.how == "line":
+            b, why = real_path.REAL_DIRECT, "trace='line'"
+        else:
+            b, why = real_path.choose(micro=micro, one=self._real(1, accumulate), two=self._real(2, accumulate),
+                                      host_total_bytes=psutil.virtual_memory().total)
+            if b is None:
+                return self._real(micro)
         return extrapolated(self._real(b // 2, accumulate), self._real(b, accumulate), b // 2, b, micro,
-                             check=(b // 4, self._real(b // 4, accumulate)))
+                            check=(3 * b // 4, self._real(3 * b // 4, accumulate)), accumulate=accumulate, why=why)
 
     def _real(self, micro: int, accumulate: bool | None = None) -> Traced:
         """``micro`` traced with real tensors (``accumulate``: as a later micro-batch of a cut batch; None: as
         ``micro`` runs), kept."""
         key = (micro, micro < self.size if accumulate is None else accumulate)
         if key not in self._real_done:
-            start = time.perf_counter()
             self._real_done[key] = _trace(self, micro, accumulate=key[1])
-            self._seconds[key] = time.perf_counter() - start
         return self._real_done[key]
 
-    def _go_real(self, error: _ReadsValues) -> None:
+    def _go_real(self, failure: _FakeFailed) -> None:
         """Trace with real tensors from now on, or one line saying why that cannot be done (weights on the meta
-        device)."""
+        device, a model too large for the host)."""
         name = type(self.model).__name__
-        self._check_weights(f"its training_step reads tensor values ({error.detail}), which a trace without data "
-                            "cannot follow")
-        log.info("autotune: %s.training_step reads tensor values (%s); estimating with real tensors on the host",
-                 name, error.detail)
+        why = ("its training_step reads tensor values" if failure.reads
+               else "its step cannot be traced without data") + f" ({failure.detail})"
+        self._check_real_path(why + (", which a trace without data cannot follow" if failure.reads else ""))
+        log.info("autotune: %s: %s; estimating with real tensors on the host", name, why)
         self.real = True
+        self.why_real = ("the step reads tensor values" if failure.reads
+                         else f"the trace without data failed ({failure.detail})")
+        self.fake_failure = failure.detail
         self.forget_fake_step()
 
-    def _check_weights(self, why: str) -> None:
-        """One line (ValueError) when the real-tensor path has no weights to trace with: a meta-device model."""
-        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+    def _check_real_path(self, why: str) -> None:
+        """One line (ValueError) when the real-tensor path cannot trace this model: its weights are on the meta device
+        (none to trace with), or its model state would take more than ``REAL_HOST_SHARE`` of the host's memory."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}.values()
+        name = type(self.model).__name__
+        if any(t.is_meta for t in tensors):
             raise ValueError(
-                f"cannot estimate {type(self.model).__name__}: {why}, and its weights are on the meta device, so "
+                f"cannot estimate {name}: {why}, and its weights are on the meta device, so "
                 "there are none to trace with; estimate the same architecture with real weights at a size the host "
                 "holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
+        state = sum(t.numel() * t.element_size() * (4 if t.requires_grad else 1)  # gradients and two moments
+                    for t in tensors)
+        total = psutil.virtual_memory().total
+        if state > real_path.REAL_HOST_SHARE * total:
+            raise ValueError(
+                f"cannot estimate {name}: {why}, and a copy with real tensors would hold about "
+                f"{format_bytes(state)} of model state on this host (weights, gradients and optimizer state), more "
+                f"than {real_path.REAL_HOST_SHARE:.0%} of its {format_bytes(total)}; estimate the same architecture "
+                "at a size the host holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
 
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
@@ -208,121 +213,14 @@ class Traces:
                                lambda m: self.at(m, world_size).predicted_peak_bytes, budget_bytes)
 
 
-class _FakeStep:
-    """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step,
-    kept for every micro-batch traced: the warm-up step that makes the gradients and the optimizer state runs once
-    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter). A
-    model that keeps Python state from step to step (a step counter, a list it appends to) is traced after as many
-    steps as micro-batches were traced before; a step whose trace fails drops the copy."""
+class _FakeFailed(ValueError):
+    """The trace without data failed (``reads``: at a read of a tensor's value, ``.item()``, a mask checked with
+    ``.all()``, data-dependent routing; else any other error: an op without a fake rule): the real-tensor path can
+    answer."""
 
-    def __init__(self, traces: Traces, *, real: bool = False) -> None:
-        # real tensors run on the host, under CUDA's rules for a CUDA target (as a what-if trace does)
-        self.real = real
-        self.device = device = torch.device("cpu") if real else traces.trace_device
-        self.what_if = traces.device.type == "cuda" if real else traces.what_if
-        plan = traces.plan
-        self.precision = precision = precision_plugin(plan.precision, device)
-        if self.what_if and plan.precision.endswith("-mixed"):  # CUDA's op lists, on CPU tensors
-            low = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
-            self.autocast: Callable[[], Any] = lambda: CudaAutocast(low)
-        else:  # CPU autocast: checkpointing re-enters it to recompute
-            low = None
-            self.autocast = precision.forward_context if precision is not None else contextlib.nullcontext
-        self.in_backward = [False]
-        self.warm = False
-        self.mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
-        trainer = trainer_reference(traces.model)
-        memo: dict[int, Any] = {id(trainer): None} if trainer is not None else {}
-        if real:  # the copy is made on the host, whatever device the model is on
-            for t in (*traces.model.parameters(), *traces.model.buffers()):
-                if t.device.type != "cpu":
-                    host = t.detach().to("cpu", copy=True)
-                    memo[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(
-                        t, nn.Parameter) else host
-        with contextlib.nullcontext() if real else fake_copy_mode(self.mode):
-            self.model = fake = copy.deepcopy(traces.model, memo)
-        with self.entered():
-            # FSDP2's bf16 policy gathers bf16 parameters, so autocast casts (and caches) no weights: trace in bf16,
-            # with the fp32 master shards in closed form (rank_state)
-            self.gathered_bf16 = plan.strategy == "fsdp" and plan.precision == "bf16-mixed"
-            convert_model(fake, device, torch.bfloat16 if self.gathered_bf16 else precision_input_dtype(precision))
-            fake.train()
-            if plan.activation_checkpointing:
-                blocks = select_blocks(fake, plan.activation_checkpointing)
-                if low is not None:
-                    _recompute_under(blocks, low, self.in_backward)
-                checkpoint_blocks(blocks, model=fake)
-            if self.gathered_bf16:  # FSDP2's policy: each unit casts its inputs, so what passes between units is bf16
-                cast_unit_inputs(fake, torch.bfloat16)
-            optimizers = with_optimizer_state(optimizers_of(fake, traces.optimizer, traces.device),
-                                              plan.optimizer_state, bf16_weights=plan.precision == "bf16-true")
-            self.offloaded = [p for p in fake.parameters() if is_offloaded(p)] if plan.optimizer_offload else []
-            self.host_bytes = offloaded_host_bytes(optimizers) if self.offloaded else 0
-            if self.offloaded:  # the device runs the update of the small parameters only
-                optimizers = like_cuda_run([d for d in map(device_part, optimizers) if d is not None], device)
-            self.optimizers = optimizers
-        self.plan = plan
-
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """The fake mode, and quiet about a step outside a Trainer (``self.log`` without a trainer, hooks)."""
-        rng = _kept_random_state() if self.real else contextlib.nullcontext()  # the user's RNG untouched
-        with self.mode, rng, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
-            warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-            yield
-
-    def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None,
-             warm_up: bool = False, fill: bool = False) -> None:
-        """Forward (the last gradients alive), ``zero_grad``, backward, update (``fill``: of every parameter, those
-        this step's data left without a gradient given zeros; real tensors only)."""
-        with _offload(self.plan, self.what_if, self.real):
-            with self.autocast():
-                loss = loss_of(self.model, self.model.training_step(inputs, 0))
-            if zero_grad:
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                for p in self.offloaded:
-                    p.grad = None
-            before_backward()
-            self.in_backward[0] = True
-            try:
-                loss.backward()
-            finally:
-                self.in_backward[0] = False
-        del loss
-        if (warm_up or fill) and self.real:  # every parameter updated, as the fake path has it
-            self.fill_grads()
-        for opt in self.optimizers:
-            opt.step()
-
-    def fill_grads(self) -> None:
-        """Real tensors: zeros for the trainable parameters this step left without a gradient (an expert no token
-        was routed to), as the fake path has them: a run's steady state holds every parameter's gradient (the last
-        step's, during the forward) and optimizer state, whichever data each micro-batch routed where."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-
-
-@contextlib.contextmanager
-def _kept_random_state() -> Iterator[None]:
-    """torch's (and CUDA's), Python's and NumPy's random state as they were, whatever the real step draws."""
-    state = RNGState()
-    try:
-        yield
-    finally:
-        state.restore()
-
-
-class _ReadsValues(ValueError):
-    """A fake trace met a step that reads a tensor's value (``.item()``, a mask checked with ``.all()``, data-dependent
-    routing): the real-tensor path can answer."""
-
-    def __init__(self, message: str, detail: str) -> None:
+    def __init__(self, message: str, detail: str, reads: bool) -> None:
         super().__init__(message)
-        self.detail = detail
+        self.detail, self.reads = detail, reads
 
 
 #: What torch's fake tensors raise at a value read (``.item()``) or an output whose shape depends on values
@@ -347,7 +245,7 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
                 fake.warm = True
             if fake.real:  # the last step's gradients, of every parameter (see fill_grads)
                 fake.fill_grads()
-            tracker = step_tracker(cuda_rules=what_if)
+            tracker = step_tracker(cuda_rules=what_if, work_on=device.type if fake.real else None)
             tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
@@ -358,31 +256,38 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except BaseException as error:
             traces.forget_fake_step()  # half a step may have run: the next micro-batch starts from a fresh copy
-            if not isinstance(error, (RuntimeError, NotImplementedError, TypeError)):
+            if not isinstance(error, Exception) or isinstance(error, StepError):
                 raise
             message = " ".join(str(error).split())[:300]
             detail = f"{type(error).__name__}: {message}"
-            where = "with real tensors on the host" if fake.real else "under FakeTensorMode"
-            text = (f"cannot trace {type(traces.model).__name__}.training_step with plan [{plan.describe()}] {where} "
-                    f"({detail})")
-            reads = any(k in type(error).__name__ for k in _READS_VALUES) or any(k in message for k in _READ_CALLS)
-            if reads and not fake.real:
-                raise _ReadsValues(text, detail) from error
+            name, where = type(traces.model).__name__, "under FakeTensorMode"
+            if fake.real:
+                failed = f"under FakeTensorMode ({traces.fake_failure}) nor " if traces.fake_failure else ""
+                where = f"{failed}with real tensors on the host"
+            text = f"cannot trace {name}.training_step with plan [{plan.describe()}] {where} ({detail})"
+            if not fake.real:
+                reads = any(k in type(error).__name__ for k in _READS_VALUES) or any(k in message for k in _READ_CALLS)
+                raise _FakeFailed(text, detail, reads) from error
             raise ValueError(text) from error
         optimizers = fake.optimizers
         state_bytes = bytes_of((t for opt in optimizers for s in opt.state.values() for t in s.values()), device,
                                cuda_rules=what_if)
         grad_bytes = bytes_of((p for p in fake.model.parameters() if p.requires_grad), device, cuda_rules=what_if)
-    real = (f"{REAL_NOTE} {micro}",) if fake.real else ()
-    notes = real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
+    real = (f"{traces.why_real}: {REAL_NOTE} {micro}",) if fake.real else ()
+    traces.inert = fake.watch.inert()
+    notes = (real + tracker.workspace.notes() + ((_WHAT_IF_NOTE,) if traces.what_if else ()) + _untraced(plan)
+             + fake.watch.notes())
     phases = []
     for backward, snapshot in enumerate(snapshots):
         estimate, update_temporaries = _estimate_from(
             snapshot, before, plan=plan, micro=micro, device=device, target=traces.device, what_if=traces.what_if,
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
-        phases.append(Phase(estimate, update_temporaries, bool(backward)))
-    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
+        timeline, ops = (tuple(tracker.timelines[backward]), tuple(tracker.timeline_ops[backward])) if fake.real \
+            else ((), ())
+        phases.append(Phase(estimate, update_temporaries, bool(backward), timeline, ops))
+    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None,
+                  flops=tracker.flop_count[0], allocated_bytes=tracker.allocated_bytes)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "
@@ -400,35 +305,6 @@ def _untraced(plan: Plan) -> tuple[str, ...]:
     if plan.float8:
         notes.append("float8 is not traced: this is the step without FP8 matrix products")
     return tuple(notes)
-
-
-def _recompute_under(blocks: list[Any], low: torch.dtype, in_backward: list[bool]) -> None:
-    """Checkpointing recomputes a block in backward under the forward's autocast state, which it re-enters for
-    ``torch.autocast`` but not for a function mode: each block's forward enters CUDA's autocast itself while
-    ``in_backward[0]`` (casts not cached: each recomputation makes its own)."""
-    for block in blocks:
-        original = block.forward
-
-        def forward(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            if not in_backward[0]:
-                return __original(*args, **kwargs)
-            with CudaAutocast(low, cache=False):
-                return __original(*args, **kwargs)
-
-        block.forward = forward
-
-
-def _offload(plan: Plan, what_if: bool, real: bool) -> Any:
-    """Activation offload as a run does it; in a what-if trace, saved tensors go to the meta device (the host), or,
-    holding data (the real-tensor path), to bytes outside torch, which the tracker does not see either."""
-    if not plan.activation_offload:
-        return contextlib.nullcontext()
-    if not what_if:
-        return offload_activations(pin_memory=False)
-    if real:
-        return torch.autograd.graph.saved_tensors_hooks(to_bytes, from_bytes)
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.to("meta")),
-                                                    lambda packed: packed[1].to(packed[0]))
 
 
 def _world_size(world_size: int | None, plan: Plan) -> int:

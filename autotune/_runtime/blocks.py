@@ -170,9 +170,15 @@ def _stats_kept(norms: list[nn.Module]) -> Iterator[None]:
                 b.copy_(s)
 
 
+def compile_targets(model: nn.Module) -> list[nn.Module]:
+    """What ``compile`` compiles: each repeated block (regional compilation), or the whole model where none is
+    found."""
+    return find_blocks(model) or [model]
+
+
 def compile_blocks(model: nn.Module) -> list[nn.Module]:
-    """Compile each repeated block in place (regional compilation); the whole model when no blocks are found."""
-    blocks = find_blocks(model) or [model]
+    """Compile each of :func:`compile_targets` in place."""
+    blocks = compile_targets(model)
     for block in blocks:
         block.compile()
     return blocks

@@ -174,11 +174,13 @@ class SearchEstimator:
     the search goes on without it.
     """
 
-    def __init__(self, target: Any, device: Any) -> None:
+    def __init__(self, target: Any, device: Any, *, trace: str = "auto",
+                 unestimated: str = "trials run unestimated") -> None:
         from autotune._device.meter import current_host_bytes
         from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
 
-        self.target, self.device = target, device
+        self.target, self.device, self.trace = target, device, trace
+        self.unestimated = unestimated  # what goes on without the estimator, where it fails (its warning's end)
         cuda = device.type == "cuda"
         self.baseline = CUDA_CONTEXT_BYTES if cuda else current_host_bytes()  # CPU: until the short run measures one
         self.calibrated = cuda
@@ -230,6 +232,12 @@ class SearchEstimator:
         """The estimator's peak of ``plan`` (tensor bytes); None when it cannot tell."""
         result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
         return None if result is _FAILED else result.predicted_peak_bytes
+
+    def inert(self, plan: Plan) -> dict[str, str]:
+        """The settings of ``plan`` that apply to nothing for the target (:mod:`autotune._estimate.inert`), each with
+        why, from its step traced at one sample; empty when the estimator cannot tell."""
+        result = self._call(lambda traces: (traces.at(1), traces.inert)[1], plan)
+        return {} if result is _FAILED else dict(result)
 
     def method(self, plan: Plan) -> str | None:
         """How ``plan``'s estimate was traced (``Estimate.method``), None when it cannot tell; costs nothing once
@@ -323,13 +331,14 @@ class SearchEstimator:
                 traces = self._traces.get(shape.key())
                 if traces is None:
                     traces = self._traces[shape.key()] = Traces(model=self.target.model, batch=self._batch,
-                                                                plan=shape, device=self.device, optimizer=None)
+                                                                plan=shape, device=self.device, optimizer=None,
+                                                                trace=self.trace)
                 return fn(traces)
         except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
             if not self._warned:
                 self._warned = True
-                log.warning("autotune: the estimator cannot trace this target (%s: %s); trials run unestimated",
-                            type(err).__name__, " ".join(str(err).split())[:200])
+                log.warning("autotune: the estimator cannot trace this target (%s: %s); %s",
+                            type(err).__name__, " ".join(str(err).split())[:200], self.unestimated)
             return _FAILED
 
     def peak(self, plan: Plan) -> int | None:

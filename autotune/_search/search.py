@@ -19,6 +19,7 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
+from autotune._search.inert import without_inert
 from autotune._search.rank import (
     SearchEstimator,
     guided_trials,
@@ -187,6 +188,7 @@ def search(
         runner = _Objective(target=target, config=config, target_obj=tgt, space=space_obj, budget=parsed_budget,
                             budget_bytes=budget_bytes, device=dev, devices=devices, steps=steps, warmup=warmup,
                             interval=interval, trial_timeout=trial_timeout)
+        space_obj = runner.space = without_inert(space_obj, runner.estimator.inert)  # settings doing nothing here
         recover_dead_workers(the_study)
         requeue_interrupted(the_study)
         runner.learn_context(the_study)  # a resumed search: the context its trials measured
