@@ -18,7 +18,7 @@ from autotune._plan.space import (
     AUTO, SearchSpace, default_space_name, load_space, plan_from_params, quiet_list_choices,
 )
 from autotune._search.auto import AutoMicro
-from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
+from autotune._search.choose import Figure, choose, figures, no_fit_message, over_budget_by, run_of
 from autotune._search.rank import (
     SearchEstimator,
     guided_trials,
@@ -206,7 +206,7 @@ def search(
             )
         figure = choose(the_study, budget_bytes, runner.remeasure)
         if figure is None:
-            raise NoFeasiblePlanError(_no_fit_message(the_study, parsed_budget, budget_bytes))
+            raise NoFeasiblePlanError(no_fit_message(the_study, str(parsed_budget), budget_bytes))
         best = the_study.trials[figure.trial]
         tokens = best.user_attrs.get("tokens_per_second")
         measured = plan_from_params(best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"),
@@ -365,14 +365,12 @@ class _Objective:
             self.estimator.measured_context(result.context_bytes)
         if result.status == "oom":
             self._auto_ran_out(trial, params, plan.micro_batch_size)
-        if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
-            self.auto.note_noise(params, result.peak_noise_bytes)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
             if params.get("micro_batch_size") == AUTO:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
-                # less (over the budget, or within its peak's noise of it), so its choice moves: try it again, next
-                fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
+                # less (over the budget), so its choice moves: try it again, next
+                fits = over_budget_by(result.peak_bytes, self.budget_bytes) <= 0
                 again = self.auto(params)
                 if (fits and again > micro) or (not fits and again < micro):
                     trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
@@ -413,8 +411,8 @@ class _Objective:
         peak = result.peak_bytes
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
-        elif peak is not None:  # within its measured noise of the budget counts as over it
-            over = over_budget_by(peak, result.peak_noise_bytes, self.budget_bytes) / self.budget_bytes
+        elif peak is not None:  # near the budget: fits, at a cost the choice counts (edge.py)
+            over = over_budget_by(peak, self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
         trial.set_constraint("memory", over)  # every path: feasible when <= 0
@@ -485,23 +483,3 @@ def _shape_notes(study: Any, sizes: BatchSizes | None, plan: Plan) -> tuple[str,
     return (f"batches vary in shape ({sizes.describe()}): each plan was estimated on the batch of the largest samples, "
             f"so micro-batch {plan.micro_batch_size} is predicted to fit it; trials measured the batches the loader "
             "gave them, and at run time ElasticBatchSize splits each batch by its own shape",)
-
-
-def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
-    from optuna.trial import TrialState
-
-    seen = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-            if t.user_attrs.get("peak_bytes")]
-    head = f"no plan fits in {budget} ({format_bytes(budget_bytes)})"
-    if not seen:
-        failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        if failed:
-            last = failed[-1].user_attrs.get("reason", "no reason recorded")
-            if not any(t.user_attrs.get("status") == "oom" for t in study.get_trials(deepcopy=False)):
-                return (f"no plan could be measured: {len(failed)} trial(s) failed, none for memory, the last with "
-                        f"{last}")
-            return f"{head}; no trial measured a peak: {len(failed)} failed, the last with {last}"
-        return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
-    smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
-    return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "
-            f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")
