@@ -19,6 +19,7 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, no_fit_message, over_budget_by, run_of
+from autotune._search.halving import RUNG, walk_ladder
 from autotune._search.rank import (
     SearchEstimator,
     guided_trials,
@@ -204,6 +205,9 @@ def search(
                 callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
                 catch=(_TrialCrashed,),
             )
+        walk_ladder(the_study, space_obj, batch_size=batch_size, budget_bytes=budget_bytes, devices=devices,
+                    wait_seconds=trial_timeout, run_one=lambda: the_study.optimize(
+                        runner, n_trials=1, catch=(_TrialCrashed,), callbacks=callbacks))
         figure = choose(the_study, budget_bytes, runner.remeasure)
         if figure is None:
             raise NoFeasiblePlanError(no_fit_message(the_study, str(parsed_budget), budget_bytes))
@@ -325,8 +329,10 @@ class _Objective:
         started = time.perf_counter()
         trial.set_user_attr("worker", worker_id())
         params = self.space.suggest(trial)
-        micro = params.get("micro_batch_size")
-        if micro == AUTO:
+        micro, rung = params.get("micro_batch_size"), trial.user_attrs.get(RUNG)  # halving's ladder: its micro
+        if micro == AUTO and rung:
+            micro = rung
+        elif micro == AUTO:
             if trial.user_attrs.get("auto_ceiling"):  # a retry's, set by whichever worker saw the OOM
                 self.auto.hold(params, trial.user_attrs["auto_ceiling"])
             micro = self.auto(params)
@@ -363,11 +369,11 @@ class _Objective:
         value = self._record(trial, result, source="measured")
         if result.context_bytes:  # CUDA: the process's context, measured, for the shapes not measured yet
             self.estimator.measured_context(result.context_bytes)
-        if result.status == "oom":
+        if result.status == "oom" and not rung:
             self._auto_ran_out(trial, params, plan.micro_batch_size)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
-            if params.get("micro_batch_size") == AUTO:
+            if params.get("micro_batch_size") == AUTO and not rung:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget), so its choice moves: try it again, next
                 fits = over_budget_by(result.peak_bytes, self.budget_bytes) <= 0
