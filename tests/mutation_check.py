@@ -123,6 +123,11 @@ MUTATIONS = (
               "alike",
               "tests/callbacks/test_elastic_fsdp.py::test_a_soft_budget_under_fsdp2_adds_no_collective_and_ranks_shrink_"
               "alike")),
+    Mutation("soft-budget-shrink-gives-the-heap-back", "a step over a CPU budget halves once, not down to the minimum",
+             "autotune/_runtime/microbatch.py",
+             "            self.clean_steps = 0\n            release_host_memory()\n        elif not self._warned_floor:",
+             "            self.clean_steps = 0\n        elif not self._warned_floor:",
+             (ELASTIC + "test_a_cpu_soft_budget_overshoot_shrinks_once_not_down_to_the_minimum",)),
     Mutation("search-edge-is-a-cost", "a plan whose peak's noise reaches the budget is ranked by its expected speed",
              "autotune/_search/choose.py",
              "overflow_chance=overflow_chance(peak, peak_noise(runs), budget_bytes)", "overflow_chance=0.0",

@@ -32,7 +32,7 @@ from autotune._runtime.logbuffer import LogBuffer
 from autotune._runtime.events import _DIFFERENT_SPLITS, _NOT_SPLIT, _PASSED_WHOLE, _WARN_ONCE, ElasticEvent
 from autotune._runtime.shapes import ShapeSplit
 from autotune._runtime.sync import no_sync
-from autotune._device.meter import MemoryMeter
+from autotune._device.meter import MemoryMeter, release_host_memory
 from autotune._runtime.state import MetricStates, RNGState, release_memory
 from autotune._runtime.update import UpdateGuard
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
@@ -418,11 +418,13 @@ class ElasticEngine(EvalSteps):
         if shapes.varies and micro > self.min_micro_batch_size:  # per rank: the next step's split is its own
             self._record("over_budget", global_step, micro, shapes.micro(n), peak=peak)
             self.clean_steps = 0
+            release_host_memory()  # the next step is measured at its own need, not the heap this one left
         elif micro > self.min_micro_batch_size:
             smaller = max(self.min_micro_batch_size, micro // 2)
             self._record("over_budget", global_step, micro, smaller, peak=peak)
             self.micro_batch_size = smaller
             self.clean_steps = 0
+            release_host_memory()
         elif not self._warned_floor:
             self._warned_floor = True
             log.warning(
