@@ -89,6 +89,7 @@ def test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_within_
     assert choice["simpler_than"]["adds"] == ["ckpt 1.0"]
     assert chosen_lines(choice)[0].startswith(f"  chosen over {CKPT.describe()} (180.7/s expected, interval [")
     assert chosen_lines(choice)[0].endswith("as fast within measurement noise, and that plan adds work (ckpt 1.0)")
+    assert choice["within_noise_of"] == []  # the plan it was chosen over is named once
 
 
 def test_a_plan_that_adds_work_is_chosen_only_when_faster_beyond_two_runs_noise() -> None:

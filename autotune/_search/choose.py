@@ -274,7 +274,8 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
     if not ranked:
         return None
     best, chosen_figure = ranked[0], simplest(ranked)
-    close = [f.plan for f in ranked[:REMEASURE_TOP] if f is not chosen_figure and f.overlaps(chosen_figure)]
+    close = [f.plan for f in ranked[:REMEASURE_TOP]  # the best, where it is not the choice, is named on its own
+             if f is not chosen_figure and f is not best and f.overlaps(chosen_figure)]
     attrs: dict[str, Any] = {**chosen_figure.as_attrs(), "within_noise_of": close}
     if chosen_figure is not best:
         attrs["simpler_than"] = {**best.as_attrs(), "adds": what_it_adds(best.fields or {}, chosen_figure.fields or {})}
