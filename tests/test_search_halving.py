@@ -37,14 +37,14 @@ def _space(*micro: Any) -> SearchSpace:
     return SearchSpace("s", "", (Dimension("precision", ("32-true",)), Dimension("micro_batch_size", micro)))
 
 
-def _record(study: Any, micro: int, status: str, peak: int | None, source: str = "measured") -> None:
+def _record(study: Any, micro: int, status: str, peak: int | None, source: str = "measured", noise: int = 0) -> None:
     params = {"precision": "32-true", "micro_batch_size": micro}
     dists = {"precision": optuna.distributions.CategoricalDistribution(["32-true"]),
              "micro_batch_size": optuna.distributions.CategoricalDistribution(["auto", 1, 2, 4, 8, 16, 32, 64])}
     study.add_trial(optuna.trial.create_trial(
         params=params, distributions=dists, value=1.0,
         user_attrs={"plan_key": plan_from_params(params).key(), "status": status, "peak_bytes": peak,
-                    "source": source}))
+                    "source": source, "peak_noise_bytes": noise}))
 
 
 def test_the_ladder_halves_from_the_whole_batch_and_stops_where_a_rung_fits_or_fails() -> None:
@@ -52,12 +52,12 @@ def test_the_ladder_halves_from_the_whole_batch_and_stops_where_a_rung_fits_or_f
     space = _space("auto", 4, 8, 16, 32)
     assert next_rung(study, space, batch_size=32, budget_bytes=BUDGET) == (
         {"precision": "32-true", "micro_batch_size": 32}, 32)
-    _record(study, 32, "ok", BUDGET + 1)  # measured over the budget: the next rung
+    _record(study, 32, "ok", BUDGET + 3, noise=2)  # every step over the budget: the next rung
     _record(study, 16, "oom", None, source="estimate")  # estimated far over: answered as over, not run
     assert next_rung(study, space, batch_size=32, budget_bytes=BUDGET) == (
         {"precision": "32-true", "micro_batch_size": 8}, 8)
-    _record(study, 8, "pruned", BUDGET)  # fits (stopped early: the search holds faster plans)
-    assert next_rung(study, space, batch_size=32, budget_bytes=BUDGET) is None
+    _record(study, 8, "pruned", BUDGET + 1, noise=2)  # a few steps over: fits, at a cost (stopped early: the
+    assert next_rung(study, space, batch_size=32, budget_bytes=BUDGET) is None  # search holds faster plans)
     # a rung the space cannot name is resolved through 'auto' (the trial's RUNG), else the largest choice below it
     assert next_rung(optuna.create_study(), _space("auto", 8, 32), batch_size=24, budget_bytes=BUDGET) == (
         {"precision": "32-true", "micro_batch_size": "auto"}, 24)

@@ -127,15 +127,17 @@ def peak_noise(runs: list[dict[str, Any]]) -> int:
     return max(spread, *(int(r.get("peak_noise_bytes") or 0) for r in runs))
 
 
-def over_budget_by(peak: int, budget_bytes: int) -> int:
-    """Bytes a measured peak is over the budget (<= 0: it fits); the one rule the choice, the trials' constraint and
-    the report share. A peak whose noise reaches the budget fits, at a cost (``edge.py``).
+def over_budget_by(peak: int, noise: int | None, budget_bytes: int) -> int:
+    """Bytes a run's peak is over the budget beyond the spread of its steps' peaks (``noise``, None: unknown, 0); > 0:
+    every timed step of the run was over, so the plan overflows at once, often, and does not fit. The one rule the
+    choice, the trials' constraint, halving's ladder and the report share; a plan whose peak is within its noise of
+    the budget, either side, fits at a cost (``edge.py``).
 
     Example:
-        >>> over_budget_by(95, 100), over_budget_by(101, 100)
-        (-5, 1)
+        >>> over_budget_by(95, None, 100), over_budget_by(101, 2, 100), over_budget_by(101, None, 100)
+        (-5, -1, 1)
     """
-    return peak - budget_bytes
+    return peak - (noise or 0) - budget_bytes
 
 
 def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
@@ -179,8 +181,9 @@ def figures(study: Any, budget_bytes: int) -> list[Figure]:
             continue  # failed or out of memory in some run
         timed = [r for r in runs if r.get("status") == "ok" and r.get("samples_per_second")]
         peaks = [r.get("peak_bytes") for r in runs]
-        if not timed or peaks[0] is None or any(p is not None and p > budget_bytes for p in peaks):
-            continue  # stopped early in every run, not known to fit, or over the budget in some run: overflows often
+        if not timed or peaks[0] is None or any(over_budget_by(r["peak_bytes"], r.get("peak_noise_bytes"),
+                                                               budget_bytes) > 0 for r in runs if r.get("peak_bytes")):
+            continue  # stopped early in every run, not known to fit, or every step of a run over: overflows often
         mean, low, high = combine(timed)
         first = trials[0]
         peak = max(p or 0 for p in peaks)

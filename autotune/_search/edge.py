@@ -4,9 +4,10 @@ can be expected to give, counting what the runtime does when it overflows, inste
 A plan's measured runs give its largest peak ``P`` and how much its peaks varied, ``noise`` (the larger of the spread
 between its runs and the spread of one run's timed steps: ``choose.peak_noise``). The next run's peak is taken as
 anywhere in ``[P - noise, P + noise]``, so a run overflows the budget ``B`` with chance
-``(P + noise - B) / (2 noise)`` (:func:`overflow_chance`): 0 with room for the noise, at most 1/2 while ``P <= B``.
-A plan measured over the budget in a run (``P > B``) overflowed within a trial's few steps: it overflows often, more
-than the one time in a hundred steps the runtime absorbs, and is infeasible.
+``(P + noise - B) / (2 noise)`` (:func:`overflow_chance`): 0 with room for the noise, 1/2 at ``P = B``, more above.
+A run whose every timed step was over the budget (its peak over it by more than its steps' spread,
+``choose.over_budget_by``) overflows at once: such a plan overflows often and does not fit; one whose peak is over
+the budget within that spread overflowed in a few of a trial's steps, and is judged like the others.
 
 When a run overflows, ``ElasticBatchSize`` halves the micro-batch (on a CUDA cap after replaying the step that ran
 out, the failed attempt lost; on CPU's soft budget the step that went over has finished and the next ones are
@@ -34,18 +35,18 @@ LEFT_AFTER = 0.5
 
 def overflow_chance(peak_bytes: int, noise_bytes: int | None, budget_bytes: int) -> float:
     """The chance that a run of a plan overflows ``budget_bytes``: its next peak taken as anywhere within its noise
-    of ``peak_bytes``, the largest measured (1.0 when that peak is over the budget).
+    of ``peak_bytes``, the largest measured.
 
     Example:
-        >>> overflow_chance(95, 10, 100), overflow_chance(90, 10, 100), overflow_chance(99, 0, 100)
-        (0.25, 0.0, 0.0)
+        >>> overflow_chance(95, 10, 100), overflow_chance(90, 10, 100), overflow_chance(105, 10, 100)
+        (0.25, 0.0, 0.75)
+        >>> overflow_chance(99, 0, 100), overflow_chance(101, None, 100)
+        (0.0, 1.0)
     """
-    if peak_bytes > budget_bytes:
-        return 1.0
     noise = noise_bytes or 0
     if noise <= 0:
-        return 0.0
-    return max(0.0, (peak_bytes + noise - budget_bytes) / (2 * noise))
+        return 1.0 if peak_bytes > budget_bytes else 0.0
+    return min(1.0, max(0.0, (peak_bytes + noise - budget_bytes) / (2 * noise)))
 
 
 def fallback_micro(micro_batch_size: int | None, batch_size: int) -> int:

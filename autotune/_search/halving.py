@@ -21,6 +21,7 @@ from typing import Any
 
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
+from autotune._search.choose import over_budget_by
 from autotune._search.cost import simplicity
 
 __all__ = ["RUNG", "ladder", "next_rung", "plain_point", "walk_ladder"]
@@ -88,7 +89,8 @@ def _answers(study: Any, budget_bytes: int) -> dict[str, str]:
             continue
         if status == "error":
             out.setdefault(key, "error")
-        elif status == "oom" or (peak is not None and peak > budget_bytes):  # estimated far over, too
+        elif status == "oom" or (peak is not None and over_budget_by(peak, attrs.get("peak_noise_bytes"),
+                                                                      budget_bytes) > 0):  # estimated far over, too
             out[key] = "over"
         elif status in ("ok", "pruned") and peak is not None:
             out.setdefault(key, "fits")

@@ -50,7 +50,8 @@ class TrialSpec:
 class TrialResult:
     """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
 
-    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
+    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: its interval clearly below the best plans so
+    far) or "error"
     (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
     measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
     file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
@@ -58,9 +59,10 @@ class TrialResult:
     the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
     allocator's reserve beyond its tensors; ``allocated_step_peaks`` each step's, in order (rank 0's), which says
     whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95%
-    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
-    search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
-    timing started (more than asked while the step time was settling).
+    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes``
+    how much the timed steps' peaks varied (a search ranks a plan whose peak is within it of the budget by the
+    samples/s a run of it can be expected to give); ``warmup_steps`` how many steps ran before timing started (more
+    than asked while the step time was settling).
 
     Example:
         >>> TrialResult("oom", reason="CUDA out of memory").status

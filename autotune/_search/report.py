@@ -43,7 +43,8 @@ def _rows(study: Any) -> list[dict[str, Any]]:
         attrs = t.user_attrs
         peak = attrs.get("peak_bytes")
         fits = None if peak is None or budget is None else (
-            over_budget_by(peak, budget) <= 0 and attrs.get("status") in ("ok", "pruned"))
+            over_budget_by(peak, attrs.get("peak_noise_bytes"), budget) <= 0
+            and attrs.get("status") in ("ok", "pruned"))
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),

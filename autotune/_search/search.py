@@ -376,7 +376,7 @@ class _Objective:
             if params.get("micro_batch_size") == AUTO and not rung:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget), so its choice moves: try it again, next
-                fits = over_budget_by(result.peak_bytes, self.budget_bytes) <= 0
+                fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
                 again = self.auto(params)
                 if (fits and again > micro) or (not fits and again < micro):
                     trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
@@ -417,8 +417,8 @@ class _Objective:
         peak = result.peak_bytes
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
-        elif peak is not None:  # near the budget: fits, at a cost the choice counts (edge.py)
-            over = over_budget_by(peak, self.budget_bytes) / self.budget_bytes
+        elif peak is not None:  # within its steps' noise of the budget: fits, at a cost the choice counts (edge.py)
+            over = over_budget_by(peak, result.peak_noise_bytes, self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
         trial.set_constraint("memory", over)  # every path: feasible when <= 0
