@@ -157,6 +157,9 @@ MUTATIONS = (
              "            if len(durations) < MIN_TIMED:\n                return _GO_ON\n", "",
              ("tests/test_search_choice.py::test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_"
               "steps",)),
+    Mutation("search-measures-the-leader-s-plain-twin", "a plan adding a feature is measured against its plain twin",
+             "autotune/_search/twin.py", "    study.enqueue_trial(params, user_attrs=attrs)\n", "    return\n",
+             ("tests/test_search_simplest.py::test_the_leader_s_plain_twin_is_measured_once_before_choosing",)),
     Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
              "autotune/_search/search.py", "        walk_ladder(the_study, space_obj,",
              "        (lambda *args, **kwargs: None)(the_study, space_obj,",
@@ -182,8 +185,8 @@ MUTATIONS = (
              ("tests/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
     Mutation("auto-out-of-memory-halved", "an 'auto' micro-batch that runs out of memory is tried again at half",
              "autotune/_search/search.py",
-             '        if result.status == "oom" and not rung:\n            self._auto_ran_out(trial, params, plan.micro_batch_size)\n',
-             '        if result.status == "oom" and not rung:\n            pass\n',
+             '        if result.status == "oom" and not pinned:\n            self._auto_ran_out(trial, params, plan.micro_batch_size)\n',
+             '        if result.status == "oom" and not pinned:\n            pass\n',
              ("tests/test_search_auto.py::"
               "test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",)),
     Mutation("auto-out-of-memory-halved-from-cache", "a resumed search halves an 'auto' whose OOM it finds cached",

@@ -15,7 +15,9 @@ from optuna.trial import TrialState
 from autotune import Plan
 from autotune._search.choose import CHOSEN, choose, figures, simplest
 from autotune._search.cost import added_work, predicted_cost, simplicity, what_it_adds
+from autotune._search.halving import PINNED
 from autotune._search.report import chosen_lines
+from autotune._search.twin import TWIN, measure_twin
 
 PLAIN = Plan(micro_batch_size=32, num_workers=0)
 CKPT = Plan(micro_batch_size=32, activation_checkpointing=1.0, num_workers=0)
@@ -124,3 +126,45 @@ def test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_again
     asked: list[str] = []
     choose(study, 20, runs_from({"32-true, micro 8, ckpt 1.0, workers 0": [60.0], PLAIN.describe(): [199.0]}, asked))
     assert asked == [PLAIN.describe(), "32-true, micro 8, ckpt 1.0, workers 0"]  # with the leader, once
+
+
+def test_the_leader_s_plain_twin_is_measured_once_before_choosing() -> None:
+    """The best plan so far adds a dataloader worker (micro-batch 11 from 'auto'): the same plan without it is
+    measured, its micro-batch pinned, before the choice; the twin of a plain plan, or one measured already, is not."""
+    from autotune._plan.space import load_space, plan_from_params
+
+    space = load_space("cpu")
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("device", "cpu")
+    study.set_user_attr("batch_size", 32)
+    dists = {d.name: CategoricalDistribution(list(d.choices)) for d in space.dimensions}
+
+    def record(params: dict, micro: int, rate: float, peak: int, **attrs: Any) -> None:
+        plan = plan_from_params(params, micro_batch_size=micro)
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={k: dists[k] for k in params}, value=rate,
+            user_attrs={"plan": plan.describe(), "plan_key": plan.key(), "status": "ok", "source": "measured",
+                        "samples_per_second": rate, "interval": [0.97 * rate, 1.03 * rate], "peak_bytes": peak,
+                        "micro_batch_size": micro, **attrs}))
+
+    auto = {"precision": "32-true", "micro_batch_size": "auto", "activation_checkpointing": 0.0}
+    record({**auto, "num_workers": 1}, 11, 520.0, 10)
+    record({**auto, "micro_batch_size": 8, "num_workers": 0}, 8, 510.0, 9)
+    ran: list[dict] = []
+
+    def run_one() -> None:  # the queued twin, measured as a trial would: 'auto' resolved to its pinned micro-batch
+        trial = study.ask()
+        params = space.suggest(trial)
+        ran.append({**params, "pinned": trial.user_attrs.get(PINNED), "twin_of": trial.user_attrs.get(TWIN)})
+        plan = plan_from_params(params, micro_batch_size=trial.user_attrs[PINNED])
+        for key, value in {"plan_key": plan.key(), "plan": plan.describe(), "status": "ok", "source": "measured",
+                           "samples_per_second": 560.0, "interval": [545.0, 575.0], "peak_bytes": 10,
+                           "micro_batch_size": 11}.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, 560.0)
+
+    measure_twin(study, space, budget_bytes=20, devices=1, run_one=run_one)
+    assert ran == [{**auto, "num_workers": 0, "pinned": 11, "twin_of": 0}]
+    assert figures(study, 20)[0].plan == "32-true, micro 11, workers 0"
+    measure_twin(study, space, budget_bytes=20, devices=1, run_one=run_one)  # the leader is plain now: nothing
+    assert len(ran) == 1

@@ -24,14 +24,18 @@ from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
 from autotune._search.choose import over_budget_by
 from autotune._search.cost import simplicity
 
-__all__ = ["RUNG", "ladder", "next_rung", "plain_point", "walk_ladder"]
+__all__ = ["PINNED", "RUNG", "ladder", "next_rung", "plain_point", "plainest", "walk_ladder"]
 
-#: A trial's user attribute: the micro-batch of halving's ladder it measures (its point's ``auto`` resolves to it).
+#: A trial's user attribute: the micro-batch of halving's ladder it measures.
 RUNG = "halving_rung"
+#: A trial's user attribute: the micro-batch its point's ``auto`` resolves to (a rung's, a plain twin's: twin.py).
+PINNED = "pinned_micro_batch_size"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Plan)}
 
 
-def _plainest(dim: Dimension) -> Any:
+def plainest(dim: Dimension) -> Any:
+    """The dimension's plainest choice: the plan's default where the space offers it, else the choice that adds the
+    least work and the fewest features (the first listed among equals)."""
     if _DEFAULTS.get(dim.name, object()) in dim.choices:
         return _DEFAULTS[dim.name]
     return min(dim.choices, key=lambda choice: simplicity({dim.name: choice}))  # min keeps the first of equals
@@ -48,7 +52,7 @@ def plain_point(space: SearchSpace) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for dim in space.dimensions:
         if dim.active(params) and dim.name != "micro_batch_size":
-            params[dim.name] = _plainest(dim)
+            params[dim.name] = plainest(dim)
     return params
 
 
@@ -65,7 +69,7 @@ def ladder(batch_size: int) -> list[int]:
     return rungs
 
 
-def _rung_params(space: SearchSpace, point: dict[str, Any], micro: int) -> tuple[dict[str, Any], int] | None:
+def rung_params(space: SearchSpace, point: dict[str, Any], micro: int) -> tuple[dict[str, Any], int] | None:
     """The point's params at ``micro`` as the space can say it (the choice itself, else ``auto`` resolved to it),
     else at the largest micro-batch choice below it; None when the space has no micro-batch dimension."""
     dim = next((d for d in space.dimensions if d.name == "micro_batch_size"), None)
@@ -106,7 +110,7 @@ def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: 
     point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
     fields = sharded_devices(point, devices)
     for micro in ladder(batch_size):
-        rung = _rung_params(space, point, micro)
+        rung = rung_params(space, point, micro)
         if rung is None or rung[1] in seen:
             continue
         seen.add(rung[1])
@@ -137,7 +141,7 @@ def walk_ladder(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes
         if _with_rung(study, micro, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
             continue
         if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # a queue is run first, in order
-            study.enqueue_trial(params, user_attrs={RUNG: micro})
+            study.enqueue_trial(params, user_attrs={RUNG: micro, PINNED: micro})
         run_one()
 
 

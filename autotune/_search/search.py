@@ -19,7 +19,7 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, no_fit_message, over_budget_by, run_of
-from autotune._search.halving import RUNG, walk_ladder
+from autotune._search.halving import PINNED, walk_ladder
 from autotune._search.rank import (
     SearchEstimator,
     guided_trials,
@@ -40,6 +40,7 @@ from autotune._search.trial import (
     run_trial,
     start_trial_server,
 )
+from autotune._search.twin import measure_twin
 
 if TYPE_CHECKING:
     from autotune._estimate.estimate import BatchSizes
@@ -205,9 +206,13 @@ def search(
                 callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
                 catch=(_TrialCrashed,),
             )
+        def run_one() -> None:  # one more trial: halving's rung, the leader's plain twin (or a trial queued before)
+            the_study.optimize(runner, n_trials=1, catch=(_TrialCrashed,), callbacks=callbacks)
+
         walk_ladder(the_study, space_obj, batch_size=batch_size, budget_bytes=budget_bytes, devices=devices,
-                    wait_seconds=trial_timeout, run_one=lambda: the_study.optimize(
-                        runner, n_trials=1, catch=(_TrialCrashed,), callbacks=callbacks))
+                    wait_seconds=trial_timeout, run_one=run_one)
+        measure_twin(the_study, space_obj, budget_bytes=budget_bytes, devices=devices, run_one=run_one,
+                     wait_seconds=trial_timeout)
         figure = choose(the_study, budget_bytes, runner.remeasure)
         if figure is None:
             raise NoFeasiblePlanError(no_fit_message(the_study, str(parsed_budget), budget_bytes))
@@ -329,9 +334,9 @@ class _Objective:
         started = time.perf_counter()
         trial.set_user_attr("worker", worker_id())
         params = self.space.suggest(trial)
-        micro, rung = params.get("micro_batch_size"), trial.user_attrs.get(RUNG)  # halving's ladder: its micro
-        if micro == AUTO and rung:
-            micro = rung
+        micro, pinned = params.get("micro_batch_size"), trial.user_attrs.get(PINNED)  # a rung's, a plain twin's
+        if micro == AUTO and pinned:
+            micro = pinned
         elif micro == AUTO:
             if trial.user_attrs.get("auto_ceiling"):  # a retry's, set by whichever worker saw the OOM
                 self.auto.hold(params, trial.user_attrs["auto_ceiling"])
@@ -369,11 +374,11 @@ class _Objective:
         value = self._record(trial, result, source="measured")
         if result.context_bytes:  # CUDA: the process's context, measured, for the shapes not measured yet
             self.estimator.measured_context(result.context_bytes)
-        if result.status == "oom" and not rung:
+        if result.status == "oom" and not pinned:
             self._auto_ran_out(trial, params, plan.micro_batch_size)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
-            if params.get("micro_batch_size") == AUTO and not rung:
+            if params.get("micro_batch_size") == AUTO and not pinned:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget), so its choice moves: try it again, next
                 fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
