@@ -16,7 +16,11 @@ For each model, with the model's effective batch ``B`` (its dataloader's batch s
 Every candidate is then measured side by side as a search trial measures a plan (``autotune.measure_plan``: a
 fresh process, end-to-end samples/s after warm-up, the process's peak memory) in interleaved rounds (3 with
 ``--quick``, else 5; the BatchSizeFinder's batch 1 or 3 times, as its samples/s compare with nothing), medians
-reported; "vs halving" is a candidate's median samples/s over the halving one's. "Budget use" is the chosen
+reported; "vs halving" is a candidate's median samples/s over the halving one's. Then halving's and the search's
+plans train as a user's run does (``Plan.callbacks()``: ``ElasticBatchSize`` with the budget and its growing,
+``ApplyPlan``) for ``--train-steps`` optimizer steps (100) in a fresh process each: "trained samples/s" over the
+run, and "replays", the steps it overflowed (an OOM replayed, on CPU a step over the soft budget) or failed to grow
+(goal: at most 1 in 100 steps). "Budget use" is the chosen
 setup's peak over the budget (goal 0.85-1.00 where the budget binds). On CPU the peak is the whole process's
 memory in a CPU budget's measure, its resident set net of file-backed pages (Python, torch, Lightning: well over
 100 MiB before the first step), so the table also shows the use of the budget above that floor ("above floor":
@@ -99,6 +103,31 @@ def floor_worker(target: str) -> dict[str, Any]:
     if tgt.datamodule is not None:
         tgt.datamodule.setup("fit")
     return {"floor_bytes": current_host_bytes(), "batch_size": tgt.batch_size()}
+
+
+def trained_worker(target: str, fields: dict[str, Any], budget: str, device: str, steps: int) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with the plan applied as a user's run applies it (``Plan.callbacks()``: the
+    budget, growing on); its samples/s over the run and its ``ElasticBatchSize`` events."""
+    import logging
+
+    import lightning as L
+
+    from autotune import Plan, load_target
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("autotune").setLevel(logging.ERROR)
+    plan = Plan.from_dict({**fields, "budget": budget})
+    tgt = load_target(target)
+    callbacks = plan.callbacks()
+    trainer = L.Trainer(accelerator="cuda" if device == "cuda" else "cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **plan.trainer_kwargs())
+    start = time.perf_counter()
+    trainer.fit(tgt.model, datamodule=tgt.datamodule)
+    wall = time.perf_counter() - start
+    events = [(e.kind, e.step, e.previous, e.micro_batch_size) for e in callbacks[0].events]
+    return {"steps": trainer.global_step, "samples_per_second": trainer.global_step * tgt.batch_size() / wall,
+            "replays": sum(kind in ("oom", "over_budget", "grow_failed") for kind, *_ in events), "events": events}
 
 
 def batch_size_finder_worker(target: str, device: str) -> dict[str, Any]:
@@ -275,6 +304,11 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> dict[str, An
          "steps": args.judge_steps, "warmup": args.warmup},
     ]
     side_by_side(candidates, budget, dev, args.rounds)
+    for c in candidates:  # halving's and the search's plans, trained as a user's run is (budget, growing)
+        if c["method"].startswith(("halving", "autotune")) and c["fields"] is not None:
+            c["trained"] = in_fresh_process(trained_worker, case.target, c["fields"], budget, dev, args.train_steps)
+            log(f"{c['method']}: {c['trained']['steps']} steps trained at {c['trained']['samples_per_second']:.1f}/s, "
+                f"{c['trained']['replays']} replays {c['trained']['events']}")
     for c in candidates:
         peak = c["peak_bytes"]
         c["fits"] = peak is not None and peak <= budget_bytes
@@ -298,7 +332,7 @@ def _plan(**fields: Any) -> Any:
 def report(results: dict[str, Any]) -> str:
     """The Markdown report: the machine, the table, and a line per model."""
     rows = [["model", "budget", "method", "effective batch", "setup", "samples/s", "peak MiB", "fits",
-             "budget use", "above floor", "vs halving", "time to choose (s)"]]
+             "budget use", "above floor", "vs halving", "time to choose (s)", "trained samples/s", "replays"]]
     lines = []
     for case in results["cases"]:
         by = {c["method"].split(" (")[0]: c for c in case["candidates"]}
@@ -311,7 +345,9 @@ def report(results: dict[str, Any]) -> str:
                          f"{c['budget_use']:.3f}" if c["budget_use"] else "-",
                          f"{c['use_above_floor']:.2f}" if c["use_above_floor"] is not None else "-",
                          f"{sps / halve:.2f}" if sps and halve and c["batch"] == case["batch"] else "n/a",
-                         f"{c['choose_seconds']:.0f}"])
+                         f"{c['choose_seconds']:.0f}",
+                         f"{c['trained']['samples_per_second']:.1f}" if c.get("trained") else "-",
+                         f"{c['trained']['replays']} in {c['trained']['steps']}" if c.get("trained") else "-"])
         bsf = by["Lightning BatchSizeFinder"]
         tuned_c = next(c for c in case["candidates"] if c["method"].startswith("autotune"))
         lo, hi = GOAL_USE
@@ -333,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_threads(parser, "intra-op threads per process (default: 1 on CPU, torch's default on CUDA)")
     parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], default=[c.name for c in CASES],
                         help="the models to run (default: all; each case's table is printed as it ends)")
+    parser.add_argument("--train-steps", type=int, default=100,
+                        help="optimizer steps of the trained runs of halving's and the search's plans (default 100)")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials of the autotune search (default: 6 with --quick, else 12)")
     add_json(parser)

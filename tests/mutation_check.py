@@ -355,9 +355,40 @@ MUTATIONS = (
              "autotune/_search/search.py", "_Objective._spec", Keyword("long_batch", "None"),
              ("tests/test_search_shapes.py::test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_"
               "infeasible",)),
-    Mutation("search-peak-noise-is-not-a-fit", "a plan within its peak's noise of the budget is not chosen",
-             "autotune/_search/choose.py", "figures", FalseTest("over_budget_by"),
-             ("tests/test_search_choice.py::test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen",)),
+    Mutation("soft-budget-shrink-gives-the-heap-back", "a step over a CPU budget halves once, not down to the minimum",
+             RUNTIME + "microbatch.py", ENGINE, Skip("release_host_memory"),
+             (ELASTIC + "test_a_cpu_soft_budget_overshoot_shrinks_once_not_down_to_the_minimum",)),
+    Mutation("search-edge-is-a-cost", "a plan whose peak's noise reaches the budget is ranked by its expected speed",
+             "autotune/_search/choose.py", "figures", Keyword("overflow_chance", "0.0"),
+             ("tests/test_search_edge.py::test_the_edge_is_a_cost_that_a_safer_plan_can_beat",)),
+    Mutation("search-over-the-budget-does-not-fit", "a plan with a run whose every step was over does not fit",
+             "autotune/_search/choose.py", "figures", Calls("over_budget_by", "0"),
+             ("tests/test_search_edge.py::test_a_plan_whose_every_step_was_over_the_budget_overflows_often_and_does_"
+              "not_fit", "tests/test_search_choice.py::test_a_plan_over_the_budget_in_a_second_run_is_not_chosen")),
+    Mutation("search-simplest-among-equals", "of plans measured as fast as the best, the one doing least work is chosen",
+             "autotune/_search/choose.py", "choose", Calls("simplest", "ranked[0]"),
+             ("tests/test_search_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
+              "within_noise",)),
+    Mutation("search-simpler-plan-measured-again", "a leader that adds work is measured again with a simpler plan",
+             "autotune/_search/choose.py", "choose", Skip("contenders.append"),
+             ("tests/test_search_simplest.py::test_a_plan_that_adds_work_is_chosen_only_when_faster_beyond_two_runs_"
+              "noise",)),
+    Mutation("search-stopped-simpler-plan-measured-in-full", "a trial stopped early on a busy host is measured in full",
+             "autotune/_search/choose.py", "_reopened", Returns("out", "[]"),
+             ("tests/test_search_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
+              "within_noise",
+              "tests/test_search_simplest.py::test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_"
+              "again")),
+    Mutation("trial-stops-on-its-interval", "a trial is stopped as too slow on its interval, not on a few slow steps",
+             "autotune/_search/meter.py", "_decide", FalseTest("MIN_TIMED"),
+             ("tests/test_search_choice.py::test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_"
+              "steps",)),
+    Mutation("search-measures-the-leader-s-plain-twin", "a plan adding a feature is measured against its plain twin",
+             "autotune/_search/twin.py", "measure_twin", Skip("study.enqueue_trial"),
+             ("tests/test_search_simplest.py::test_the_leader_s_plain_twin_is_measured_once_before_choosing",)),
+    Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
+             "autotune/_search/search.py", "search", Skip("walk_ladder"),
+             ("tests/test_search_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
     Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
              "autotune/_search/choose.py", "choose", Assign("edge", "False"),
              ("tests/test_search_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"

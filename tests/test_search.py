@@ -16,6 +16,8 @@ from optuna.trial import TrialState
 
 from autotune import load_plan
 from autotune._cli.main import main
+from autotune._search.halving import RUNG
+from autotune._search.twin import TWIN
 from autotune._search.search import NoFeasiblePlanError, search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +51,11 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
     assert plan.provenance.produced_by.startswith("search (study 'autotune-train.py:make-3GiB-cpu-cpu'")
     finished = [t for t in result.study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len([t for t in finished if t.user_attrs["source"] != "cache"]) == 3  # cache hits do not count
+    rungs = [t for t in finished if t.user_attrs.get(RUNG)]  # halving's plan, where the trials did not measure it
+    twins = [t for t in finished if t.user_attrs.get(TWIN) is not None]  # the leader's, without its worker
+    assert len([t for t in finished if t.user_attrs["source"] != "cache" and t not in rungs + twins]) == 3
+    assert [t.user_attrs["plan"] for t in rungs] in ([], ["32-true, micro 32, workers 0"])  # it fits 3GiB
+    assert len(twins) <= 1
     first = finished[0].params  # the cpu space's first seed
     assert (first["precision"], first["micro_batch_size"], first["activation_checkpointing"]) == ("32-true", "auto", 0.0)
 
@@ -142,7 +148,11 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
     chosen = auto.user_attrs["auto_micro_batch_size"]
     assert 2 <= chosen < 32 and auto.user_attrs["source"] == "measured"
     assert auto.user_attrs["peak_bytes"] <= 1.5 * 2**30  # the estimator's choice fits when measured
-    assert result.plan.micro_batch_size == chosen
+    # halving's ladder: 32 answered by the estimate (far over), 16 measured (by 'auto' tried again or by the ladder);
+    # the faster of the plans is chosen, and nothing is left queued
+    trials = result.study.get_trials()
+    assert [t.user_attrs["source"] for t in trials if t.user_attrs.get("micro_batch_size") == 16] == ["measured"]
+    assert result.plan.micro_batch_size in (chosen, 16) and all(t.state.is_finished() for t in trials)
 
 
 @pytest.mark.slow
@@ -159,8 +169,10 @@ def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
     assert low <= fast.user_attrs["samples_per_second"] <= high
     assert second.state == TrialState.COMPLETE  # the bar is 90% of the second best's bottom: two must have run
     assert slow.params["micro_batch_size"] == 8 and slow.state == TrialState.PRUNED
-    # 80/s at most (four 0.1 s calls a step), under the bar: stopped after 2 timed steps, not its 10.
-    assert slow.user_attrs["steps_timed"] == 2
+    # 80/s at most (four 0.1 s calls a step), under the bar: stopped once its interval is clear of it, after at least 5
+    # timed steps, not its 10
+    assert 5 <= slow.user_attrs["steps_timed"] < 10
+    assert slow.user_attrs["interval"][1] < fast.user_attrs["samples_per_second"]
     assert "clearly slower" in slow.user_attrs["reason"]
     assert result.plan.micro_batch_size in (32, 16)  # the pruned plan is never chosen
 
@@ -313,8 +325,12 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
                                   str(journal))))
     trials = study.get_trials()
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-                and t.user_attrs.get("source") != "cache"]
+                and t.user_attrs.get("source") != "cache" and not t.user_attrs.get(RUNG)
+                and t.user_attrs.get(TWIN) is None]
     assert 4 <= len(finished) <= 5  # each worker stops once the study has 4 measured; at most one runs past
+    rungs = [t.user_attrs[RUNG] for t in trials if t.user_attrs.get(RUNG)]
+    assert rungs in ([], [64])  # halving's plan (micro-batch 64 fits 2GiB) measured once if the trials had not
+    assert len([t for t in trials if t.user_attrs.get(TWIN) is not None]) <= 1  # the leader's plain twin, once
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING, TrialState.FAIL)]
     workers_seen = {t.user_attrs["worker"] for t in trials}
     assert len(workers_seen) == 2  # both took part

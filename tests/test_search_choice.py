@@ -104,31 +104,23 @@ def test_a_run_whose_interval_tops_out_below_the_bar_stops_as_too_slow(monkeypat
     assert result.status == "pruned" and result.interval[1] < 200 and "clearly slower" in result.reason
 
 
-def test_a_run_whose_fastest_step_is_below_the_bar_stops_after_two_timed_steps(monkeypatch: pytest.MonkeyPatch,
-                                                                               tmp_path: Any) -> None:
-    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=101.0)
-    assert meter.pruned and len(meter.durations()) == 2  # its fastest step, 100/s, is below 101/s
+def test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_steps(monkeypatch: pytest.MonkeyPatch,
+                                                                                  tmp_path: Any) -> None:
+    # A busy host slows every step for a while (issue 44: a plan stopped at 37/s after a few noisy steps, then chosen
+    # against at 66-266/s): warm-up and the first 3 timed steps at a quarter of the pace (25/s), then 100/s, under a
+    # bar of 90/s. Its fastest timed steps were under the bar (the rule before), its interval never is.
+    meter = _meter_run(monkeypatch, tmp_path, [0.4] * 5 + [0.1] * 30, steps=20, stop_below=90.0)
+    assert meter.warmup_durations == pytest.approx([0.4, 0.4]) and meter.durations()[:3] == pytest.approx([0.4] * 3)
+    assert not meter.pruned and meter.result().status == "ok"
+    # a plan really slower: 50/s steady, under a bar of 90/s, stopped once its interval (5 timed steps) is below it
+    meter = _meter_run(monkeypatch, tmp_path, [0.2] * 2 + [0.2, 0.21, 0.19, 0.2, 0.2] * 4, steps=20, stop_below=90.0)
     result = meter.result()
-    assert result.status == "pruned" and result.steps_timed == 2 and result.warmup_steps == 2
-    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=99.0)
-    assert meter.pruned and len(meter.durations()) >= 5  # 100/s reaches 99/s: its interval (95/s on average) decides
-    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=90.0)
-    assert not meter.pruned and len(meter.durations()) >= 5  # above the bar: timed until its interval is known
-
-
-def test_a_run_at_half_the_bar_stops_while_warming_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    # Not settled (each step 20% faster than the one before), and at 10/0.5 = 20/s at best: under half of 41/s.
-    meter = _meter_run(monkeypatch, tmp_path, [9.0, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1] + [0.1] * 20, steps=20,
-                       stop_below=41.0)
-    assert meter.pruned and meter.warmup_durations == pytest.approx([9.0, 0.6, 0.5]) and not meter.durations()
-    result = meter.result()
-    assert result.status == "pruned" and result.steps_timed == 0 and result.interval is None
-    assert result.samples_per_second == pytest.approx(10 / 0.55)  # the steps after the first
-    assert "clearly slower" in result.reason
-    # The first step is never judged, and one step after it is not enough: here the run settles and is timed.
-    meter = _meter_run(monkeypatch, tmp_path, [9.0, 0.6, 0.11, 0.1] + [0.1] * 20, steps=20, stop_below=41.0)
-    assert not meter.pruned and meter.warmup_durations == pytest.approx([9.0, 0.6, 0.11, 0.1])
-    assert meter.result().status == "ok" and meter.result().samples_per_second == pytest.approx(100.0)
+    assert meter.pruned and result.steps_timed == 5 and result.status == "pruned"
+    assert result.interval[1] < 90.0 and "clearly slower" in result.reason
+    assert f"tops out at {result.interval[1]:.1f}/s, under 90.0/s" in result.reason
+    # 95/s (steps of 0.11 and 0.1 s) just above a bar of 94/s: its interval always reaches the bar, timed to the end
+    meter = _meter_run(monkeypatch, tmp_path, [0.1, 0.1] + [0.11, 0.1] * 20, steps=20, stop_below=94.0)
+    assert not meter.pruned and len(meter.durations()) >= 5
 
 
 # ------------------------------------------------------------------------------------------------ choosing
@@ -191,19 +183,6 @@ def test_a_plan_over_the_budget_in_a_second_run_is_not_chosen() -> None:
             "b": {"status": "ok", "samples_per_second": 99.0, "interval": [93.0, 105.0], "peak_bytes": 10}}
     best = choose(study, 20, lambda trial: runs[trial.user_attrs["plan"]])
     assert best.plan == "b"
-
-
-def test_a_plan_within_its_peak_s_noise_of_the_budget_is_not_chosen() -> None:
-    # Its steps' peaks varied by 2 and it peaked 1 under the budget: the next run may be over (issue 29, finding 7)
-    study = _study([("edge", 200.0, 4.0, 19, "ok"), ("safe", 100.0, 4.0, 10, "ok")], noise={"edge": 2, "safe": 2})
-    assert choose(study, 20, lambda trial: pytest.fail("nothing overlaps")).plan == "safe"
-    assert [f.plan for f in figures(study, 21)] == ["edge", "safe"]  # with room for its noise it is the best
-    # runs of a plan that scatter are noise too: 16 then 19, under a budget of 20 (3 of spread)
-    spread = _study([("edge", 200.0, 4.0, 16, "ok"), ("safe", 100.0, 4.0, 10, "ok")])
-    assert [f.plan for f in figures(spread, 20)] == ["edge", "safe"]
-    spread.set_user_attr(REMEASURED, {"0": [{"status": "ok", "samples_per_second": 199.0, "interval": [195, 203],
-                                             "peak_bytes": 19}]})
-    assert [f.plan for f in figures(spread, 20)] == ["safe"] and [f.plan for f in figures(spread, 22)] == ["edge", "safe"]
 
 
 def test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_is_over() -> None:

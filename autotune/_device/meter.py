@@ -12,6 +12,7 @@ keeps no peak of those alone: :func:`peak_host_bytes` says how close the peak re
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -98,6 +99,29 @@ def current_host_bytes() -> int:
     ``RssAnon + RssShmem``); the resident set size where the kernel does not split it."""
     fields = _status("RssAnon", "RssShmem")
     return sum(fields) if fields is not None else current_rss_bytes()
+
+
+def release_host_memory() -> bool:
+    """Give the C allocator's free memory back to the system (glibc's ``malloc_trim(0)``, which also releases free
+    pages inside the heap). glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as large blocks
+    are freed) resident for the next allocation, so a process's resident set never shrinks by itself: after a step
+    over a CPU budget, the next and smaller step would be measured at what the larger one left, over the budget
+    again. Returns whether it could (False where the C library has no ``malloc_trim``: not glibc)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM is False:
+        return False
+    _MALLOC_TRIM(0)
+    return True
+
+
+_MALLOC_TRIM: Any = None  # glibc's malloc_trim once looked up; False where there is none
 
 
 def peak_host_bytes() -> int:

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autotune._compat import closure_extra, forget_scaler_steps, set_closure_loss, wrap_zero_grad
 from autotune._device.budget import format_bytes
-from autotune._device.meter import MemoryMeter
+from autotune._device.meter import MemoryMeter, release_host_memory
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune._runtime.agreement import HEADER, Agreement, Failure, PeerOutOfMemory, Verdict
 from autotune._runtime.batch import (
@@ -216,7 +216,10 @@ class ElasticEngine:
         self.update.succeeded(optimizer)
         peaks = self._peaks(static) if self._measure else None
         self.last_peak_bytes = peaks.peak if peaks is not None else self.last_peak_bytes
+        over = self.policy.over_budget_events
         self.policy.after_success(n=n, ran=self.sizes[0], clean=not replayed, step=global_step, peaks=peaks)
+        if self.policy.over_budget_events > over:
+            release_host_memory()  # the smaller next step is measured at its own need, not the heap this one left
         return result
 
     def _agreed_split(self, n: int, micro: int) -> list[int]:

@@ -1,6 +1,6 @@
 """What ``micro_batch_size: auto`` resolves to in a search, point by point: the largest micro-batch the estimator
-predicts to fit, evened out, with room for the noise its shape's measured peaks showed, and held to half of one that
-ran out of memory."""
+predicts to fit, evened out, and held to half of one that ran out of memory. It aims at the budget itself: a plan
+whose peak's noise reaches the budget is judged by its expected throughput when the search chooses (``edge.py``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ class AutoMicro:
     def __init__(self, estimator: SearchEstimator, *, budget_bytes: int, batch_size: int, devices: int) -> None:
         self.estimator, self.budget_bytes, self.batch_size, self.devices = estimator, budget_bytes, batch_size, devices
         self._cache: dict[tuple[Any, ...], int] = {}  # by shape, calibrations and room
-        self._noise: dict[tuple[Any, ...], int] = {}  # by shape: the largest noise of its measured peaks
         self._ceiling: dict[tuple[Any, ...], int] = {}  # by shape: half an 'auto' that ran out of memory
 
     def __call__(self, params: dict[str, Any]) -> int:
@@ -48,16 +47,10 @@ class AutoMicro:
         self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
         # and by the calibrations: a measurement moves the baselines, and the choice with them
         shape = shape_key(params)
-        room = self.budget_bytes - self._noise.get(shape, 0)  # a fit must clear the shape's measured noise
-        key = (*shape, self.estimator.calibrations, room)
+        key = (*shape, self.estimator.calibrations)
         if key not in self._cache:
-            self._cache[key] = self.estimator.largest_micro(plan, room, self.batch_size)
+            self._cache[key] = self.estimator.largest_micro(plan, self.budget_bytes, self.batch_size)
         return min(self._cache[key], self._ceiling.get(shape, self._cache[key]))
-
-    def note_noise(self, params: dict[str, Any], noise: int) -> None:
-        """A measured peak of this shape varied by ``noise`` bytes: its ``auto`` leaves room for the largest."""
-        shape = shape_key(params)
-        self._noise[shape] = max(self._noise.get(shape, 0), noise)
 
     def hold(self, params: dict[str, Any], ceiling: int) -> None:
         """This shape's ``auto`` is at most ``ceiling`` (a retry's, carried from whichever worker saw the OOM)."""

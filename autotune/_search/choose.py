@@ -2,21 +2,30 @@
 
 Every measurement of a plan (its trial, and any re-measurement) is combined into one figure: the mean of the runs'
 throughputs, with an interval of +- the larger of the runs' own precision (their 95% half-widths, combined) and half
-the spread between runs (two processes of the same plan scatter more than one run's steps do). Before a plan is
-declared best, the plans whose interval overlaps the leader's and whose mean is within 15% of it are measured
-again (with the leader), up to ``REMEASURE_ROUNDS`` times; a plan fits when every run of it fitted with room for
-its peak's noise (:func:`peak_noise`: a peak within it of the budget may be over it in the next run). The progress
-line, ``autotune report``, the plots and the tuned file's provenance all read the result from the study
-(``chosen``), so they name the same plan.
+the spread between runs (two processes of the same plan scatter more than one run's steps do). A plan fits when no
+run of it peaked over the budget; one whose peak's noise reaches the budget is ranked by the throughput a run of it
+can be expected to give (``edge.py``). Before a plan is declared best, the plans whose interval overlaps the
+leader's and whose mean is within 15% of it are measured again (with the leader), and so is the fastest plan that
+does less work than a leader which adds work (recomputation, offload, low-bit state, features: ``cost.py``), up to
+``REMEASURE_ROUNDS`` times; a trial stopped early whose interval is not clear of the leader's is measured in full.
+Of the plans that cannot be told apart from the best (their intervals overlap), the simplest is chosen
+(:func:`simplest`): a plan that adds work is chosen only when it is faster beyond noise. The progress line,
+``autotune report``, the plots and the tuned file's provenance all read the result from the study (``chosen``), so
+they name the same plan.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from autotune._device.budget import format_bytes
+from autotune._search.cost import simplicity, what_it_adds
+from autotune._search.edge import expected_throughput, fallback_micro, fallback_rate, overflow_chance
 
 #: The leader and at most this many plans in all are measured again when their intervals overlap.
 REMEASURE_TOP = 3
@@ -26,17 +35,20 @@ CONTENDER_WITHIN = 0.15
 #: Rounds of re-measurement at most (each round measures every overlapping contender once more).
 REMEASURE_ROUNDS = 2
 #: A leader measured once whose peak is within this share of the budget is measured again before it is chosen: on
-#: the budget's edge, one run cannot tell whether the next (the user's) fits; two runs' spread is noise it must clear.
+#: the budget's edge, one run cannot tell how much the next (the user's) differs; two runs' spread is noise too.
 EDGE_SHARE = 0.01
 #: The study's user attribute holding re-measurements: {"<trial number>": [run, ...]}.
 REMEASURED = "remeasured"
 #: The study's user attribute naming the chosen plan and its figures.
 CHOSEN = "chosen"
+_SIMPLEST_UNKNOWN = (math.inf, math.inf)  # a trial of an older version without its plan's key: never the simpler
 
 
 @dataclass(frozen=True)
 class Figure:
-    """One plan's throughput over all its runs: the mean, a 95%-style interval, the runs, the largest peak."""
+    """One plan's throughput over all its runs: the mean, a 95%-style interval, the runs, the largest peak; and what
+    a run of it can be expected to give (``expected``: less than the mean where its peak's noise reaches the budget,
+    which a run overflows with ``overflow_chance``)."""
 
     trial: int  # the trial that measured the plan first
     plan: str
@@ -45,13 +57,33 @@ class Figure:
     high: float
     runs: tuple[float, ...]
     peak_bytes: int
+    expected: float = math.nan  # nan: the mean
+    overflow_chance: float = 0.0
+    fallback: float | None = None  # samples/s at the fallback micro-batch, where it counts (overflow_chance > 0)
+    fields: dict[str, Any] | None = None  # the plan's dict form (None: not recorded)
+
+    @property
+    def value(self) -> float:
+        """What ranks the plan: the samples/s a run can be expected to give."""
+        return self.samples_per_second if math.isnan(self.expected) else self.expected
+
+    def band(self) -> tuple[float, float]:
+        """The interval on the scale of :attr:`value`."""
+        scale = self.value / self.samples_per_second if self.samples_per_second else 1.0
+        return self.low * scale, self.high * scale
 
     def overlaps(self, other: Figure) -> bool:
-        return self.high >= other.low and other.high >= self.low
+        (low, high), (other_low, other_high) = self.band(), other.band()
+        return high >= other_low and other_high >= low
+
+    def simplicity(self) -> tuple[float, float]:
+        return _simplicity(self.fields)
 
     def as_attrs(self) -> dict[str, Any]:
         return {"trial": self.trial, "plan": self.plan, "samples_per_second": self.samples_per_second,
-                "interval": [self.low, self.high], "runs": list(self.runs), "peak_bytes": self.peak_bytes}
+                "interval": [self.low, self.high], "runs": list(self.runs), "peak_bytes": self.peak_bytes,
+                "expected_samples_per_second": self.value, "overflow_chance": self.overflow_chance,
+                "fallback_samples_per_second": self.fallback}
 
     def describe(self) -> str:
         """``"812.4/s (+-2.1%, 3 runs)"``."""
@@ -96,14 +128,16 @@ def peak_noise(runs: list[dict[str, Any]]) -> int:
 
 
 def over_budget_by(peak: int, noise: int | None, budget_bytes: int) -> int:
-    """Bytes a peak is over the budget once its noise is counted (<= 0: it fits with room for its noise); the one rule
-    the choice, the trials' constraint and the report share.
+    """Bytes a run's peak is over the budget beyond the spread of its steps' peaks (``noise``, None: unknown, 0); > 0:
+    every timed step of the run was over, so the plan overflows at once, often, and does not fit. The one rule the
+    choice, the trials' constraint, halving's ladder and the report share; a plan whose peak is within its noise of
+    the budget, either side, fits at a cost (``edge.py``).
 
     Example:
-        >>> over_budget_by(95, 10, 100)
-        5
+        >>> over_budget_by(95, None, 100), over_budget_by(101, 2, 100), over_budget_by(101, None, 100)
+        (-5, -1, 1)
     """
-    return peak + (noise or 0) - budget_bytes
+    return peak - (noise or 0) - budget_bytes
 
 
 def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
@@ -113,34 +147,110 @@ def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
             for k, v in stored.items()}
 
 
-def figures(study: Any, budget_bytes: int) -> list[Figure]:
-    """Every distinct plan measured with every run fitting ``budget_bytes``, best first."""
+def _measured_by_plan(study: Any) -> dict[str, list[Any]]:
+    """The trials that ran each plan (stopped early ones included), by plan key."""
     from optuna.trial import TrialState
 
-    extra = remeasured_runs(study)
     by_plan: dict[str, list[Any]] = {}
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         if t.user_attrs.get("source") not in ("cache", "estimate"):
             by_plan.setdefault(t.user_attrs.get("plan_key", t.user_attrs.get("plan", str(t.params))), []).append(t)
+    return by_plan
+
+
+def _simplicity(fields: dict[str, Any] | None) -> tuple[float, float]:
+    return _SIMPLEST_UNKNOWN if fields is None else simplicity(fields)
+
+
+def _fields(key: str) -> dict[str, Any] | None:
+    try:
+        fields = json.loads(key)
+    except ValueError:
+        return None  # a trial of an older version, keyed by its description
+    return fields if isinstance(fields, dict) else None
+
+
+def figures(study: Any, budget_bytes: int) -> list[Figure]:
+    """Every distinct plan with a full measurement and no run over ``budget_bytes``, best first (by the samples/s a
+    run can be expected to give). A run stopped early counts for its peak, not for its throughput."""
+    extra = remeasured_runs(study)
     out = []
-    for trials in by_plan.values():
+    for key, trials in _measured_by_plan(study).items():
         runs = [run for t in trials for run in (run_of(t.user_attrs), *extra.get(str(t.number), []))]
+        if any(r.get("status") not in ("ok", "pruned") for r in runs):
+            continue  # failed or out of memory in some run
+        timed = [r for r in runs if r.get("status") == "ok" and r.get("samples_per_second")]
         peaks = [r.get("peak_bytes") for r in runs]
-        if any(r.get("status") != "ok" or not r.get("samples_per_second") for r in runs):
-            continue  # pruned, failed or out of memory in some run
-        if peaks[0] is None or any(p is not None and p > budget_bytes for p in peaks):
-            continue  # not known to fit, or over the budget in some run
-        if over_budget_by(max(p or 0 for p in peaks), peak_noise(runs), budget_bytes) > 0:
-            continue  # within its peak's noise of the budget: another run (the user's) may well be over it
-        mean, low, high = combine(runs)
+        if not timed or peaks[0] is None or any(over_budget_by(r["peak_bytes"], r.get("peak_noise_bytes"),
+                                                               budget_bytes) > 0 for r in runs if r.get("peak_bytes")):
+            continue  # stopped early in every run, not known to fit, or every step of a run over: overflows often
+        mean, low, high = combine(timed)
         first = trials[0]
+        peak = max(p or 0 for p in peaks)
         out.append(Figure(first.number, first.user_attrs.get("plan", str(first.params)), mean, low, high,
-                          tuple(float(r["samples_per_second"]) for r in runs), max((p or 0) for p in peaks)))
-    return sorted(out, key=lambda f: f.samples_per_second, reverse=True)
+                          tuple(float(r["samples_per_second"]) for r in timed), peak,
+                          overflow_chance=overflow_chance(peak, peak_noise(runs), budget_bytes), fields=_fields(key)))
+    return sorted(_expected(out, study), key=lambda f: f.value, reverse=True)
+
+
+def _expected(found: list[Figure], study: Any) -> list[Figure]:
+    """``found`` with the samples/s a run can be expected to give, where a plan's peak's noise reaches the budget
+    (``edge.py``): at half its micro-batch the runs' mean where the search measured it, else the cost model's."""
+    from dataclasses import replace
+
+    from autotune._plan.plan import Plan
+
+    batch_size = int(study.user_attrs.get("batch_size") or 0)
+    device = study.user_attrs.get("device", "cpu")
+    by_key = {json.dumps(f.fields, sort_keys=True): f for f in found if f.fields is not None}
+    out = []
+    for f in found:
+        if f.overflow_chance <= 0 or f.fields is None or not batch_size:
+            out.append(f)
+            continue
+        plan = Plan.from_dict(f.fields)
+        half = plan.replace(micro_batch_size=fallback_micro(plan.micro_batch_size, batch_size))
+        if half.key() == plan.key():  # nothing smaller: a CUDA run that overflows at the minimum ends
+            out.append(replace(f, expected=f.samples_per_second * (1 - f.overflow_chance) if device == "cuda"
+                               else f.samples_per_second))
+            continue
+        measured = by_key.get(half.key())
+        rate = fallback_rate(plan, f.samples_per_second, batch_size=batch_size, device_type=device,
+                             measured=measured.samples_per_second if measured else None)
+        out.append(replace(f, fallback=rate, expected=expected_throughput(
+            f.samples_per_second, f.overflow_chance, rate, hard_cap=device == "cuda")))
+    return out
+
+
+def simplest(ranked: list[Figure]) -> Figure:
+    """Of the plans that cannot be told apart from the best (``ranked[0]``: their intervals overlap its), the one that
+    does the least work, then has the fewest features (``cost.simplicity``), then the best value."""
+    best = ranked[0]
+    equals = [f for f in ranked if f is best or f.overlaps(best)]
+    return min(equals, key=lambda f: (f.simplicity(), -f.value))
+
+
+def _reopened(study: Any, lead: Figure, budget_bytes: int, stored: dict[str, list[Any]]) -> list[Any]:
+    """Trials stopped early, within the budget and never measured again, to measure in full: those whose interval
+    (their rate, if they have none) is not clear of the leader's (the picture that stopped them has changed), and the
+    fastest that does less work than the leader (a busy host can slow every step of a short run: a plan that adds
+    work is chosen only over a full measurement of the simpler one); at most ``REMEASURE_TOP``."""
+    from optuna.trial import TrialState
+
+    stopped = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
+               if t.user_attrs.get("source") == "measured" and str(t.number) not in stored
+               and t.user_attrs.get("samples_per_second")
+               and (t.user_attrs.get("peak_bytes") or math.inf) <= budget_bytes]
+    out = [t for t in stopped if (t.user_attrs.get("interval") or [None, math.inf])[1] >= lead.band()[0]]
+    simpler = [t for t in stopped if t not in out
+               and _simplicity(_fields(t.user_attrs.get("plan_key", ""))) < lead.simplicity()]
+    if simpler:
+        out.append(max(simpler, key=lambda t: t.user_attrs["samples_per_second"]))
+    return out[:REMEASURE_TOP]
 
 
 def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, Any]]) -> Figure | None:
-    """The best plan after measuring again the contenders whose intervals overlap the leader's, and a leader measured
+    """The plan to choose after measuring again the contenders (see the module's docstring) and a leader measured
     once on the budget's edge (``EDGE_SHARE``); the choice and its figures are stored in the study (``chosen``).
     ``remeasure(trial)`` measures the trial's plan once more and returns the run (see :func:`run_of`). None when no
     plan fits."""
@@ -152,22 +262,52 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         lead = ranked[0]
         contenders = [f for f in ranked[:REMEASURE_TOP] if f is lead or (
             f.overlaps(lead) and f.samples_per_second >= (1 - CONTENDER_WITHIN) * lead.samples_per_second)]
+        # a leader that adds work must beat the fastest plan doing less by more than two runs' noise
+        simpler = [f for f in ranked if f.simplicity() < lead.simplicity()]
+        if simpler and simpler[0] not in contenders and min(len(lead.runs), len(simpler[0].runs)) < 2:
+            contenders.append(simpler[0])
+        reopened = [] if round_ else _reopened(study, lead, budget_bytes, stored)
         edge = len(lead.runs) == 1 and lead.peak_bytes > (1 - EDGE_SHARE) * budget_bytes
-        if len(contenders) == 1 and not edge:
+        if len(contenders) == 1 and not edge and not reopened:
             break
-        for figure in contenders:
-            if len(figure.runs) <= round_ + 1:  # each contender gets one more run per round
-                stored.setdefault(str(figure.trial), []).append(remeasure(study.trials[figure.trial]))
-                study.set_user_attr(REMEASURED, stored)
+        for trial in [study.trials[f.trial] for f in contenders if len(f.runs) <= round_ + 1] + reopened:
+            stored.setdefault(str(trial.number), []).append(remeasure(trial))  # one more run a round
+            study.set_user_attr(REMEASURED, stored)
     ranked = figures(study, budget_bytes)
     if not ranked:
         return None
-    best = ranked[0]
-    close = [f.plan for f in ranked[1:REMEASURE_TOP] if f.overlaps(best)]
-    study.set_user_attr(CHOSEN, {**best.as_attrs(), "within_noise_of": close})
-    return best
+    best, chosen_figure = ranked[0], simplest(ranked)
+    close = [f.plan for f in ranked[:REMEASURE_TOP]  # the best, where it is not the choice, is named on its own
+             if f is not chosen_figure and f is not best and f.overlaps(chosen_figure)]
+    attrs: dict[str, Any] = {**chosen_figure.as_attrs(), "within_noise_of": close}
+    if chosen_figure is not best:
+        attrs["simpler_than"] = {**best.as_attrs(), "adds": what_it_adds(best.fields or {}, chosen_figure.fields or {})}
+    study.set_user_attr(CHOSEN, attrs)
+    return chosen_figure
 
 
 def chosen(study: Any) -> dict[str, Any] | None:
-    """What the search chose (``None`` before it has chosen): trial, plan, samples/s, interval, runs, peak."""
+    """What the search chose (``None`` before it has chosen): trial, plan, samples/s, interval, runs, peak, and where
+    it was chosen over a faster-measured plan that adds work, that plan (``simpler_than``)."""
     return study.user_attrs.get(CHOSEN)
+
+
+def no_fit_message(study: Any, budget: str, budget_bytes: int) -> str:
+    """Why no plan was chosen: the smallest peak seen and its plan, or why nothing was measured."""
+    from optuna.trial import TrialState
+
+    seen = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            if t.user_attrs.get("peak_bytes")]
+    head = f"no plan fits in {budget} ({format_bytes(budget_bytes)})"
+    if not seen:
+        failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if failed:
+            last = failed[-1].user_attrs.get("reason", "no reason recorded")
+            if not any(t.user_attrs.get("status") == "oom" for t in study.get_trials(deepcopy=False)):
+                return (f"no plan could be measured: {len(failed)} trial(s) failed, none for memory, the last with "
+                        f"{last}")
+            return f"{head}; no trial measured a peak: {len(failed)} failed, the last with {last}"
+        return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
+    smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
+    return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "
+            f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")

@@ -50,7 +50,8 @@ class TrialSpec:
 class TrialResult:
     """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
 
-    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: clearly slower than the best so far) or "error"
+    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: its interval clearly below the best plans so
+    far) or "error"
     (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
     measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
     file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
@@ -58,9 +59,10 @@ class TrialResult:
     the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
     allocator's reserve beyond its tensors; ``allocated_step_peaks`` each step's, in order (rank 0's), which says
     whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95%
-    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes`` how much the timed steps' peaks varied (a
-    search counts a plan whose peak is within it of the budget as over); ``warmup_steps`` how many steps ran before
-    timing started (more than asked while the step time was settling).
+    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes``
+    how much the timed steps' peaks varied (a search ranks a plan whose peak is within it of the budget by the
+    samples/s a run of it can be expected to give); ``warmup_steps`` how many steps ran before timing started (more
+    than asked while the step time was settling).
 
     Example:
         >>> TrialResult("oom", reason="CUDA out of memory").status
@@ -89,14 +91,10 @@ class TrialResult:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-#: Timed steps a trial takes at least before its interval may stop it (below 5, a lucky run of similar steps gives a
-#: narrow interval that misses: optional stopping).
+#: Timed steps a trial takes at least before its interval may stop it, for speed or for precision (below 5, a lucky
+#: run of similar steps gives a narrow interval that misses: optional stopping). A trial is stopped as too slow only
+#: on its interval, never on a step or a few: on a busy host every step of a few seconds can be slow together.
 MIN_TIMED = 5
-#: A run still warming up whose fastest step after the first (at least 2 of them) is below this share of the
-#: early-stop bar stops at once: twice slower than the contenders is clear before the step time has settled. Once
-#: timing has started, a run stops when its fastest timed step (at least 2) is below the bar itself: the mean of
-#: its steps is slower than its fastest.
-CLEAR_SHARE = 0.5
 #: Warm-up ends when a step's time is within this share of the step before it.
 STABLE_WITHIN = 0.10
 #: Warm-up steps a trial may add to its minimum while the step time has not settled (no more than its timed steps).
@@ -237,25 +235,16 @@ def make_meter(**kwargs: Any) -> Any:
 
         def _decide(self) -> int:
             if not self.marks:
-                if self._slower_than(self.warmup_durations[1:], CLEAR_SHARE):  # the first step is never judged
-                    return _TOO_SLOW  # warming up, and already half the contenders' pace at best
                 stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
                 return _TIMING_STARTS if stable else _GO_ON
             durations = self.durations()
             if len(durations) >= self.spec.steps:
                 return _ENOUGH
-            if self._slower_than(durations, 1.0):
-                return _TOO_SLOW  # even its fastest step is below the bar
             if len(durations) < MIN_TIMED:
                 return _GO_ON
             if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
                 return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
             return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
-
-        def _slower_than(self, durations: list[float], share: float) -> bool:
-            """Whether the fastest of at least two ``durations`` is below ``share`` of the early-stop bar."""
-            bar = self.spec.stop_below
-            return bool(bar) and len(durations) >= 2 and self.samples_per_step() / min(durations) < share * bar
 
         def _peak(self, pl_module: Any) -> int:
             if self.memory is None:
@@ -308,8 +297,7 @@ def make_meter(**kwargs: Any) -> Any:
                 Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 
         def result(self) -> TrialResult:
-            # stopped while warming up: its rate is that of the steps after the first (not settled: no interval)
-            durations = self.durations() or (self.warmup_durations[1:] if self.pruned else [])
+            durations = self.durations()
             if not durations:
                 return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
             rate, low, high = throughput(durations, self.samples_per_step())
@@ -331,7 +319,8 @@ def make_meter(**kwargs: Any) -> Any:
                 warmup_steps=len(self.warmup_durations),
                 startup_seconds=(self.first_step or time.time()) - self.launched,
                 wall_seconds=time.time() - self.launched,
-                reason="stopped early: clearly slower than the best plans so far" if self.pruned else "",
+                reason=(f"stopped early: clearly slower than the best plans so far (its 95% interval tops out at "
+                        f"{high:.1f}/s, under {self.spec.stop_below:.1f}/s)") if self.pruned else "",
                 trainer_settings=self.trainer_settings,
             )
 

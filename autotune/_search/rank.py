@@ -1,20 +1,10 @@
 """What the estimator tells a search before anything runs: predicted peaks in the search's own measure, ``auto``
 micro-batches, and the order of the first trials (plans predicted to fit, the fastest predicted first).
 
-The cost model is relative seconds per sample from what is known to cost time whatever the model:
-
-- recomputation: checkpointing a share ``c`` of the blocks runs that share of the forward again, about ``c / 3`` of
-  a step's FLOPs (a backward costs about two forwards);
-- micro-batch ``m``: a step of ``B`` samples runs ``ceil(B / m)`` forward/backward passes, each with a fixed cost
-  (kernel launches, Python, hooks) of about one sample's compute: ``1 + ceil(B / m) / B`` per sample;
-- precision on CUDA: 16-bit matmuls run on tensor cores at about twice TF32's rate (0.5; bf16-true also halves the
-  optimizer's traffic, 0.45). On CPU precision is not modelled (most CPUs have no fast 16-bit matmul, those with
-  AMX do; autocast adds casts): the sampler chooses it;
-- offload: activations over PCIe 1.25, the optimizer step on the host 1.5; low-bit optimizer state 1.05 (a slower
-  update of the same bytes).
-
-Dimensions without a model here (compile, FP8, the allocator, dataloader workers) are tried one at a time around the
-cheapest candidate (:func:`with_variations`), and otherwise left to the sampler.
+The cost model (``cost.py``: relative seconds per sample from recomputation, the micro-batch, CUDA precision,
+offload and low-bit state) orders the candidates. Dimensions it does not model (compile, FP8, the allocator,
+dataloader workers) are tried one at a time around the cheapest candidate (:func:`with_variations`), and otherwise
+left to the sampler.
 """
 
 from __future__ import annotations
@@ -28,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
+from autotune._search.cost import predicted_cost
 
 if TYPE_CHECKING:
     from autotune._estimate.estimate import BatchSizes
@@ -43,32 +34,6 @@ BASELINE_SLACK = 0.01
 #: The plan fields the cost model knows.
 MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
             "optimizer_state")
-_CUDA_PRECISION = {"32-true": 1.0, "bf16-mixed": 0.5, "16-mixed": 0.5, "bf16-true": 0.45, "transformer-engine": 0.5}
-
-
-def predicted_cost(plan: Plan, *, batch_size: int, device_type: str) -> float:
-    """Relative seconds per sample of ``plan`` (only comparisons between plans of one search mean anything).
-
-    Example:
-        >>> fast = predicted_cost(Plan(micro_batch_size=16), batch_size=32, device_type="cuda")
-        >>> slow = predicted_cost(Plan(micro_batch_size=16, activation_checkpointing=1.0), batch_size=32,
-        ...                       device_type="cuda")
-        >>> fast < slow
-        True
-    """
-    ckpt = plan.activation_checkpointing
-    share = float(ckpt) if isinstance(ckpt, (int, float)) and not isinstance(ckpt, bool) else (1.0 if ckpt else 0.0)
-    micro = min(plan.micro_batch_size or batch_size, batch_size)
-    cost = (1 + share / 3) * (1 + -(-batch_size // micro) / batch_size)  # ceil(B / m) passes of B samples
-    if device_type == "cuda":
-        cost *= _CUDA_PRECISION.get(plan.precision, 1.0)
-    if plan.activation_offload:
-        cost *= 1.25
-    if plan.optimizer_offload:
-        cost *= 1.5
-    if plan.optimizer_state != "full":
-        cost *= 1.05
-    return cost
 
 
 def modelled_dimensions(space: SearchSpace, device_type: str) -> list[str]:

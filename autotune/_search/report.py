@@ -11,6 +11,7 @@ from typing import Any
 
 from autotune._device.budget import format_bytes
 from autotune._search.choose import chosen, over_budget_by, remeasured_runs
+from autotune._search.edge import overflow_chance
 from autotune._search.storage import open_storage
 
 
@@ -41,13 +42,14 @@ def _rows(study: Any) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         peak = attrs.get("peak_bytes")
-        fits = None if peak is None or budget is None else (  # within its peak's noise of the budget: not a fit
+        fits = None if peak is None or budget is None else (
             over_budget_by(peak, attrs.get("peak_noise_bytes"), budget) <= 0
             and attrs.get("status") in ("ok", "pruned"))
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
             "interval": attrs.get("interval"), "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
+            "edge": bool(fits) and overflow_chance(peak, attrs.get("peak_noise_bytes"), budget) > 0,
             "reason": attrs.get("reason") or ("interrupted (Ctrl-C or a lost worker); a resumed search runs it again"
                                               if attrs.get("status") == "interrupted" else ""),
             "chosen": choice.get("trial") == t.number,
@@ -85,7 +87,7 @@ def trial_table(study: Any) -> str:
         peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
         predicted = "-" if r["predicted_peak_bytes"] is None else (
             format_bytes(r["predicted_peak_bytes"]) + _METHOD_MARK.get(r["estimate_method"], ""))
-        fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
+        fits = "edge" if r["edge"] else {True: "yes", False: "no", None: "-"}[r["fits"]]
         why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
         again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
         mark = "*" if r["chosen"] else " "
@@ -104,6 +106,9 @@ def trial_table(study: Any) -> str:
         lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the "
                      "estimator's tensors plus the context estimate and its plan shape's gap measured by earlier "
                      "trials; tensors: the trial's peak of bytes allocated, est. tensors: the estimator's")
+    if any(r["edge"] for r in rows):
+        lines.append("fits 'edge': its peak's noise reaches the budget; ranked by the samples/s a run can be expected "
+                     "to give, counting the runtime's fallback to half the micro-batch when it overflows")
     marks = sorted({r["estimate_method"] for r in rows} & _METHOD_MARK.keys())
     if marks:
         lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))
@@ -115,9 +120,27 @@ def trial_table(study: Any) -> str:
                      f"{choice['samples_per_second']:.1f} samples/s "
                      f"(mean of {runs} run{'s' if runs > 1 else ''}, interval [{low:.1f}, {high:.1f}]), peak "
                      f"{format_bytes(choice['peak_bytes'])}")
-        if choice.get("within_noise_of"):
-            lines.append(f"  within measurement noise of: {'; '.join(choice['within_noise_of'])}")
+        lines += chosen_lines(choice)
     return "\n".join(lines)
+
+
+def chosen_lines(choice: dict[str, Any]) -> list[str]:
+    """What the search and the report say of a choice besides its figures: a faster-measured plan it was chosen over
+    for doing less work, the expected samples/s of a plan on the budget's edge, the plans within noise of it."""
+    lines = []
+    over = choice.get("simpler_than")
+    if over:
+        low, high = over["interval"]
+        lines.append(f"  chosen over {over['plan']} ({over['expected_samples_per_second']:.1f}/s expected, interval "
+                     f"[{low:.1f}, {high:.1f}]): as fast within measurement noise, and that plan adds work "
+                     f"({', '.join(over['adds']) or 'more'})")
+    if choice.get("overflow_chance") and choice.get("fallback_samples_per_second") is not None:
+        lines.append(f"  on the budget's edge: a run overflows with chance {choice['overflow_chance']:.2f}; expected "
+                     f"{choice['expected_samples_per_second']:.1f}/s with the fallback to half the micro-batch "
+                     f"({choice['fallback_samples_per_second']:.1f}/s) after it")
+    if choice.get("within_noise_of"):
+        lines.append(f"  within measurement noise of: {'; '.join(choice['within_noise_of'])}")
+    return lines
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

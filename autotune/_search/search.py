@@ -18,7 +18,8 @@ from autotune._plan.space import (
     AUTO, SearchSpace, default_space_name, load_space, plan_from_params, quiet_list_choices,
 )
 from autotune._search.auto import AutoMicro
-from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
+from autotune._search.choose import Figure, choose, figures, no_fit_message, over_budget_by, run_of
+from autotune._search.halving import PINNED, walk_ladder
 from autotune._search.inert import without_inert
 from autotune._search.rank import (
     SearchEstimator,
@@ -40,6 +41,7 @@ from autotune._search.trial import (
     run_trial,
     start_trial_server,
 )
+from autotune._search.twin import measure_twin
 
 if TYPE_CHECKING:
     from autotune._estimate.estimate import BatchSizes
@@ -206,9 +208,16 @@ def search(
                 callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
                 catch=(_TrialCrashed,),
             )
+        def run_one() -> None:  # one more trial: halving's rung, the leader's plain twin (or a trial queued before)
+            the_study.optimize(runner, n_trials=1, catch=(_TrialCrashed,), callbacks=callbacks)
+
+        walk_ladder(the_study, space_obj, batch_size=batch_size, budget_bytes=budget_bytes, devices=devices,
+                    wait_seconds=trial_timeout, run_one=run_one)
+        measure_twin(the_study, space_obj, budget_bytes=budget_bytes, devices=devices, run_one=run_one,
+                     wait_seconds=trial_timeout)
         figure = choose(the_study, budget_bytes, runner.remeasure)
         if figure is None:
-            raise NoFeasiblePlanError(_no_fit_message(the_study, parsed_budget, budget_bytes))
+            raise NoFeasiblePlanError(no_fit_message(the_study, str(parsed_budget), budget_bytes))
         best = the_study.trials[figure.trial]
         tokens = best.user_attrs.get("tokens_per_second")
         measured = plan_from_params(best.params, micro_batch_size=best.user_attrs.get("micro_batch_size"),
@@ -327,8 +336,10 @@ class _Objective:
         started = time.perf_counter()
         trial.set_user_attr("worker", worker_id())
         params = self.space.suggest(trial)
-        micro = params.get("micro_batch_size")
-        if micro == AUTO:
+        micro, pinned = params.get("micro_batch_size"), trial.user_attrs.get(PINNED)  # a rung's, a plain twin's
+        if micro == AUTO and pinned:
+            micro = pinned
+        elif micro == AUTO:
             if trial.user_attrs.get("auto_ceiling"):  # a retry's, set by whichever worker saw the OOM
                 self.auto.hold(params, trial.user_attrs["auto_ceiling"])
             micro = self.auto(params)
@@ -365,15 +376,13 @@ class _Objective:
         value = self._record(trial, result, source="measured")
         if result.context_bytes:  # CUDA: the process's context, measured, for the shapes not measured yet
             self.estimator.measured_context(result.context_bytes)
-        if result.status == "oom":
+        if result.status == "oom" and not pinned:
             self._auto_ran_out(trial, params, plan.micro_batch_size)
-        if result.peak_noise_bytes:  # the largest noise of the shape's peaks: 'auto' leaves room for it
-            self.auto.note_noise(params, result.peak_noise_bytes)
         if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
                                                                                      lazily=True):
-            if params.get("micro_batch_size") == AUTO:
+            if params.get("micro_batch_size") == AUTO and not pinned:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
-                # less (over the budget, or within its peak's noise of it), so its choice moves: try it again, next
+                # less (over the budget), so its choice moves: try it again, next
                 fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
                 again = self.auto(params)
                 if (fits and again > micro) or (not fits and again < micro):
@@ -415,7 +424,7 @@ class _Objective:
         peak = result.peak_bytes
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
-        elif peak is not None:  # within its measured noise of the budget counts as over it
+        elif peak is not None:  # within its steps' noise of the budget: fits, at a cost the choice counts (edge.py)
             over = over_budget_by(peak, result.peak_noise_bytes, self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
@@ -487,23 +496,3 @@ def _shape_notes(study: Any, sizes: BatchSizes | None, plan: Plan) -> tuple[str,
     return (f"batches vary in shape ({sizes.describe()}): each plan was estimated on the batch of the largest samples, "
             f"so micro-batch {plan.micro_batch_size} is predicted to fit it; trials measured the batches the loader "
             "gave them, and at run time ElasticBatchSize splits each batch by its own shape",)
-
-
-def _no_fit_message(study: Any, budget: Budget, budget_bytes: int) -> str:
-    from optuna.trial import TrialState
-
-    seen = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-            if t.user_attrs.get("peak_bytes")]
-    head = f"no plan fits in {budget} ({format_bytes(budget_bytes)})"
-    if not seen:
-        failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        if failed:
-            last = failed[-1].user_attrs.get("reason", "no reason recorded")
-            if not any(t.user_attrs.get("status") == "oom" for t in study.get_trials(deepcopy=False)):
-                return (f"no plan could be measured: {len(failed)} trial(s) failed, none for memory, the last with "
-                        f"{last}")
-            return f"{head}; no trial measured a peak: {len(failed)} failed, the last with {last}"
-        return f"{head}; no trial measured a peak (see `autotune report` for the reasons)"
-    smallest = min(seen, key=lambda t: t.user_attrs["peak_bytes"])
-    return (f"{head}; smallest peak seen {format_bytes(smallest.user_attrs['peak_bytes'])} with "
-            f"{smallest.user_attrs.get('plan', smallest.params)} (trial {smallest.number})")
