@@ -23,6 +23,7 @@ from autotune._compat import (
 )
 from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.sharding import shard_numel
+from autotune._estimate.work import WorkCounter
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import hyperparameters, is_offloaded, update_constructor
 from autotune._runtime.optim_state import replaces, state_tensor_bytes
@@ -32,13 +33,20 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
-def step_tracker(*, cuda_rules: bool = False) -> Any:
+def step_tracker(*, cuda_rules: bool = False, counter: WorkCounter | None = None) -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
     work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``).
     ``cuda_rules``: a CPU trace of a CUDA step (every storage rounded as CUDA's allocator does, no CPU work buffers).
+    ``counter``: also records each operator's FLOPs and bytes (the step-time model's work).
     """
     workspace = Workspace(cpu_kernels=not cuda_rules)
-    tracker = peak_memory_tracker(workspace.bytes_of, round_cuda if cuda_rules else None)
+
+    def extra_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        if counter is not None:
+            counter.record(func, args, kwargs, out)
+        return workspace.bytes_of(func, args, kwargs, out)
+
+    tracker = peak_memory_tracker(extra_bytes, round_cuda if cuda_rules else None)
     tracker.workspace = workspace
     return tracker
 

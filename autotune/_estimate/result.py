@@ -157,6 +157,7 @@ class Traced:
     model: Any  # the fake model and optimizers, for the shards' closed form
     optimizers: list[Any]
     master_dtype: torch.dtype | None
+    work: Any = None  # the step's FLOPs and bytes, op by op (autotune._estimate.work.StepWork)
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
         """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging

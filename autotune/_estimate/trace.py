@@ -66,6 +66,7 @@ from autotune._runtime.state import RNGState
 from autotune._plan.plan import Plan
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
+from autotune._estimate.work import WorkCounter
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -194,6 +195,12 @@ class Traces:
                 "there are none to trace with; estimate the same architecture with real weights at a size the host "
                 "holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
 
+    def work(self, micro: int) -> Any:
+        """The step's work at ``micro`` (FLOPs and bytes op by op, :class:`~autotune._estimate.work.StepWork`; on the
+        real-tensor path's line, the larger micro-batch traced's), traced if it was not."""
+        self.at(micro)
+        return self._done[micro].work
+
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
         return micro in self._done
@@ -273,7 +280,7 @@ class _FakeStep:
             yield
 
     def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None,
-             warm_up: bool = False, fill: bool = False) -> None:
+             before_update: Callable[[], Any] = lambda: None, warm_up: bool = False, fill: bool = False) -> None:
         """Forward (the last gradients alive), ``zero_grad``, backward, update (``fill``: of every parameter, those
         this step's data left without a gradient given zeros; real tensors only)."""
         with _offload(self.plan, self.what_if, self.real):
@@ -293,6 +300,7 @@ class _FakeStep:
         del loss
         if (warm_up or fill) and self.real:  # every parameter updated, as the fake path has it
             self.fill_grads()
+        before_update()
         for opt in self.optimizers:
             opt.step()
 
@@ -347,14 +355,20 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
                 fake.warm = True
             if fake.real:  # the last step's gradients, of every parameter (see fill_grads)
                 fake.fill_grads()
-            tracker = step_tracker(cuda_rules=what_if)
+            counter = WorkCounter(device.type)  # the step-time model's work, op by op
+            tracker = step_tracker(cuda_rules=what_if, counter=counter)
             tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
+
+            def backward_starts() -> None:
+                snapshots.append(tracker.next_phase())
+                counter.phase = "backward"
+
             with tracker:  # a small micro-batch standing in for a whole batch updates every parameter, as a large
                 # batch does (routing that leaves experts without tokens in 2 samples leaves none in 32)
                 fake.step(inputs, zero_grad=not accumulate, fill=not accumulate and micro < size,
-                          before_backward=lambda: snapshots.append(tracker.next_phase()))
+                          before_backward=backward_starts, before_update=lambda: setattr(counter, "phase", "update"))
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except BaseException as error:
             traces.forget_fake_step()  # half a step may have run: the next micro-batch starts from a fresh copy
@@ -382,7 +396,10 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
             state_bytes=state_bytes, extra_host=fake.host_bytes)
         estimate = dataclasses.replace(estimate, notes=notes, method="real" if fake.real else "fake")
         phases.append(Phase(estimate, update_temporaries, bool(backward)))
-    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None)
+    work = counter.work(micro_batch_size=micro, model=fake.model, optimizers=optimizers, offloaded=fake.offloaded,
+                        host_state_bytes=fake.host_bytes)
+    return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None,
+                  work)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "

@@ -1,0 +1,238 @@
+"""This machine's device measured for the step-time model: matrix products per dtype (FLOP/s and a fixed cost each),
+a large copy (memory bandwidth), a training step of tiny modules (the host's cost per operator), and on
+CUDA pinned copies to and from the host (the host link). Measured once per device, torch version and thread count, and kept in a JSON file under the user's cache folder
+(``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``, else ``~/.cache/lightning-autotune``); about a
+second on a CPU.
+
+Each figure is the best of a few repetitions (a busy machine slows some of them). A matrix product's rate is taken
+from two sizes: the larger one's FLOP/s is the peak, and what the smaller one took beyond its share of that is a fixed
+cost per product (``DeviceSpeed.matmul_seconds``), which the model adds to each product. A CPU has no interconnect to measure: its collectives
+(gloo) copy through memory, taken at a quarter of its bandwidth. A GPU that is in the table
+(:data:`~autotune._estimate.devices.KNOWN_DEVICES`) keeps its datasheet peaks for MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune._estimate.devices import DeviceSpeed, matching_device
+
+__all__ = ["cache_dir", "local_device_speed", "measure_device"]
+
+log = logging.getLogger(__name__)
+
+_CACHE_FILE = "device-speed.json"
+#: Matrix sizes (square) timed per dtype, by device kind: the smaller gives the fixed cost, the larger the peak.
+_MATMUL_SIZES = {"cpu": (64, 512), "cuda": (1024, 8192)}
+_COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where lightning-autotune keeps what it measured of this machine."""
+    if os.environ.get("AUTOTUNE_CACHE_DIR"):
+        return Path(os.environ["AUTOTUNE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning-autotune"
+
+
+def _key(device: torch.device) -> str:
+    """The cache's key: the device's name, torch's version and the threads (a CPU's speed depends on them)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        from autotune._device.probe import probe_memory
+
+        name = probe_memory(device).name
+    return f"{device.type}|{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def local_device_speed(device: torch.device, *, refresh: bool = False) -> DeviceSpeed:
+    """This machine's ``device`` (``cpu`` or a CUDA device) as the step-time model sees it: read from the cache, else
+    measured (:func:`measure_device`) and kept there. ``refresh``: measure again. An unwritable cache is logged and
+    the figures are used all the same."""
+    key = _key(device)
+    path = cache_dir() / _CACHE_FILE
+    cached = _read(path)
+    if key in cached and not refresh:
+        try:
+            return _from_json(cached[key])
+        except (TypeError, KeyError, ValueError):
+            log.info("autotune: the cached speeds of %s in %s are unreadable; measuring again", key, path)
+    speed = measure_device(device)
+    cached[key] = _to_json(speed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as error:
+        log.warning("autotune: cannot keep the measured speeds of this device in %s (%s)", path, error)
+    return speed
+
+
+def measure_device(device: torch.device) -> DeviceSpeed:
+    """Measure ``device`` now (see the module's notes)."""
+    cuda = device.type == "cuda"
+    kind = "cuda" if cuda else "cpu"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    flops, fixed = {}, {}
+    for name, dtype in _DTYPES.items():
+        flops[name], fixed[name] = _matmul(device, dtype, _MATMUL_SIZES[kind], sync)
+    if cuda:  # fp32 products at TF32 where the process allows it
+        allowed = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            flops["tf32"], fixed["tf32"] = _matmul(device, torch.float32, _MATMUL_SIZES[kind], sync)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+    attention = {name: _attention(device, _DTYPES[name], sync) for name in ("fp32", "bf16")}
+    size = _COPY_BYTES[kind] // 4
+    source, target = torch.empty(size, device=device), torch.empty(size, device=device)
+    memory = 2 * size * 4 / _best(lambda: target.copy_(source), sync)
+    del source, target
+    launch = _host_seconds_per_operator(device, sync)
+    host_memory = memory if not cuda else _host_copy_bandwidth()
+    if cuda:
+        host = torch.empty(size, pin_memory=True)
+        here = torch.empty(size, device=device)
+        link = min(size * 4 / _best(lambda: here.copy_(host, non_blocking=True), sync),
+                   size * 4 / _best(lambda: host.copy_(here, non_blocking=True), sync))
+        del host, here
+        props = torch.cuda.get_device_properties(device)
+        known = matching_device(props.name, (props.major, props.minor), props.multi_processor_count)
+        name = props.name
+        interconnect = known.interconnect_bandwidth if known is not None else link
+        memory_bytes = props.total_memory
+    else:
+        from autotune._device.probe import probe_memory
+
+        probe = probe_memory(device)
+        name, link, interconnect, memory_bytes = probe.name, memory, memory / 4, probe.total_bytes
+        known = None
+    return DeviceSpeed(
+        name=name, kind=kind, flops=flops, memory_bandwidth=memory, host_link_bandwidth=link,
+        interconnect_bandwidth=interconnect, launch_seconds=launch, matmul_seconds=fixed, attention_flops=attention,
+        host_memory_bandwidth=host_memory,
+        memory_bytes=memory_bytes, capability=known.capability if known else None,
+        sm_count=known.sm_count if known else None, nvml_name=known.nvml_name if known else None, measured=True,
+        source=f"measured on this machine ({torch.get_num_threads()} threads, torch {torch.__version__}), "
+               f"{time.strftime('%Y-%m-%d')}")
+
+
+def _matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int],
+            sync: Callable[[], None]) -> tuple[float, float]:
+    """FLOP/s of a square matrix product at the larger size, and the seconds a product at the smaller size took beyond
+    its FLOPs at that rate (its fixed cost, at least 0); each per product, the best of several runs of a few."""
+    timed = []
+    for n, calls in zip(sizes, (32, 4)):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        first = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        if time.perf_counter() - first > 0.05:  # a dtype without fast kernels here (fp16 on most CPUs): once will do
+            timed.append(time.perf_counter() - first)
+            continue
+
+        def run(a: torch.Tensor = a, b: torch.Tensor = b, calls: int = calls) -> None:
+            for _ in range(calls):
+                torch.mm(a, b)
+
+        timed.append(_best(run, sync) / calls)
+    small, large = sizes
+    rate = 2 * large**3 / timed[1]
+    return rate, max(0.0, timed[0] - 2 * small**3 / rate)
+
+
+def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]) -> float:
+    """FLOP/s of scaled dot-product attention forward and backward (torch's FLOP formulas), causal, 4 heads of 64
+    over 512 positions (CUDA: 16 heads of 128 over 2048)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from autotune._compat import attention_flops
+
+    heads, length, width = (16, 2048, 128) if device.type == "cuda" else (4, 512, 64)
+    q, k, v = (torch.randn(1, heads, length, width, device=device).to(dtype).requires_grad_() for _ in range(3))
+
+    def run() -> None:
+        scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    forward, backward = attention_flops(q.shape, k.shape, v.shape)
+    return (forward + backward) / 2 / _best(run, sync, repeats=3)  # causal: half the products are skipped
+
+
+def _host_seconds_per_operator(device: torch.device, sync: Callable[[], None]) -> float:
+    """The host's cost per operator of a training step without work: a stack of tiny modules (linear, layer norm,
+    GELU) forward, backward and updated, its time over the operators it dispatches (counted as the step-time model
+    counts a traced step's: views and allocations too), so the modules' Python and autograd's bookkeeping are in it."""
+    from torch import nn
+
+    from autotune._estimate.fake_step import step_tracker
+    from autotune._estimate.work import WorkCounter
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(6)))
+    model = model.to(device)
+    x = torch.ones(2, 16, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    counter = WorkCounter(device.type)
+    with step_tracker(counter=counter):
+        step()
+    return _best(step, sync) / max(1, len(counter.ops))
+
+
+def _best(fn: Callable[[], Any], sync: Callable[[], None], *, repeats: int = 7) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` (after one untimed)."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _host_copy_bandwidth() -> float:
+    """The host's memory bandwidth (a 64 MiB copy), for updates that run on the host."""
+    size = _COPY_BYTES["cpu"] // 4
+    source, target = torch.empty(size), torch.empty(size)
+    return 2 * size * 4 / _best(lambda: target.copy_(source), lambda: None)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _to_json(speed: DeviceSpeed) -> dict[str, Any]:
+    data = dataclasses.asdict(speed)
+    data["capability"] = list(speed.capability) if speed.capability else None
+    return data
+
+
+def _from_json(data: dict[str, Any]) -> DeviceSpeed:
+    fields = dict(data)
+    if fields.get("capability") is not None:
+        fields["capability"] = tuple(fields["capability"])
+    return DeviceSpeed(**fields)
