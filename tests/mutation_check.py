@@ -107,7 +107,7 @@ MUTATIONS = (
              "autotune/_cli/main.py", "SETTLE_BAND = 0.05\n", "SETTLE_BAND = -1.0\n",
              ("tests/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
     Mutation("search-estimates-the-largest-batch", "auto micro-batches hold for the longest batch of varying lengths",
-             "autotune/_search/rank.py", "self._batch, self.batch_sizes = longest_batch(self.target)",
+             "autotune/_search/memory.py", "self._batch, self.batch_sizes = longest_batch(self.target)",
              "self._batch, self.batch_sizes = longest_batch(self.target, batches=1)",
              ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
     Mutation("trials-run-the-longest-batch", "a trial's peak covers the longest batch the search read",
@@ -162,7 +162,7 @@ MUTATIONS = (
              ("tests/test_search_auto.py::test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_"
               "and_halves_from_there",)),
     Mutation("cuda-trials-calibrate", "on CUDA a measured trial corrects its shape's 'auto' (context, fragmentation)",
-             "autotune/_search/rank.py", '        traced only then."""\n        if lazily',
+             "autotune/_search/memory.py", '        traced only then."""\n        if lazily',
              '        traced only then."""\n        if self.device.type == "cuda":\n            return False\n'
              '        if lazily',
              ("tests/test_search_choice.py::"
@@ -204,7 +204,7 @@ MUTATIONS = (
              ("tests/callbacks/test_elastic_shapes.py::"
               "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
     Mutation("cuda-context-measured", "on CUDA a shape not measured starts from the context a trial measured",
-             "autotune/_search/rank.py", "        if first or context_bytes < self.baseline:\n", "        if False:\n",
+             "autotune/_search/memory.py", "        if first or context_bytes < self.baseline:\n", "        if False:\n",
              ("tests/test_search_context.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",

@@ -379,7 +379,7 @@ def test_a_cpu_row_near_the_budget_is_settled_by_a_short_run(capsys, target):
 def test_cpu_estimate_and_a_measured_trial_agree_on_the_peak(target) -> None:
     from autotune import measure_plan
     from autotune._estimate.estimate import estimate_target
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.memory import SearchEstimator
     from autotune._target.target import load_target
 
     loaded = load_target(target)

@@ -178,7 +178,7 @@ def test_the_cli_table_and_json_say_how_each_row_was_traced(tmp_path, capsys) ->
 
 
 def test_the_search_estimates_such_a_target_and_records_how(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.memory import SearchEstimator
     from autotune._target.target import load_target
 
     monkeypatch.setattr(real_path, "REAL_SECONDS", 1e9)  # traced at the micro-batch however loaded the host is

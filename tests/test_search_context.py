@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune import Plan, load_target
-from autotune._search.rank import SearchEstimator
+from autotune._search.memory import SearchEstimator
 
 GPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 MIB = 2**20

@@ -157,7 +157,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
                              usable=budget_bytes, most=most, seq_len=seq_len)
     baseline, measured = 0, False
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
-        from autotune._search.rank import SearchEstimator
+        from autotune._search.memory import SearchEstimator
 
         estimator = SearchEstimator(target, resolved)
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)

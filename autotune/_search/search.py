@@ -19,13 +19,8 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
-from autotune._search.rank import (
-    SearchEstimator,
-    guided_trials,
-    ranked_candidates,
-    sharded_devices,
-    with_variations,
-)
+from autotune._search.memory import SearchEstimator, sharded_devices
+from autotune._search.speed import SearchSpeed, guided_trials, ranked_candidates, with_variations
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import (
     digest, exclusive, open_storage, recover_dead_workers, requeue_interrupted, stamp_study, storage_file, study_name,
@@ -270,6 +265,7 @@ class _Objective:
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
         self.estimator = SearchEstimator(target_obj, device)
+        self.speed = SearchSpeed(self.estimator, batch_size=target_obj.batch_size(), devices=devices)
         self.auto = AutoMicro(self.estimator, budget_bytes=budget_bytes, batch_size=target_obj.batch_size(),
                               devices=devices)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
@@ -296,7 +292,7 @@ class _Objective:
         seeds = [dict(p) for p in self.space.seeds]
         batch_size = self.target_obj.batch_size()
         ranked = ranked_candidates(
-            self.space, limit=count, batch_size=batch_size, device_type=self.device.type, devices=self.devices,
+            self.space, limit=count, batch_size=batch_size, devices=self.devices, cost=self.speed.seconds_per_sample,
             resolve_micro=self.auto, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
             tensor_room=self.budget_bytes - self.estimator.baseline)
         extra = [p for p in with_variations(self.space, ranked) if p not in seeds]
