@@ -260,6 +260,21 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
 _FLOP_FORMULAS: dict[Any, Callable[..., int]] | None = None
 
 
+def operator_recorder(record: Callable[[Any, Any, Any, Any], None]) -> Any:
+    """A dispatch mode calling ``record(func, args, kwargs, out)`` for each aten operator run under it
+    (``torch.utils._python_dispatch.TorchDispatchMode``, the public base class of torch's own modes, in a private
+    module). If it moved, measuring this machine's cost per operator would fail."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            record(func, args, kwargs, out)
+            return out
+
+    return Recorder()
+
+
 def attention_flops(query_shape: Any, key_shape: Any, value_shape: Any) -> tuple[int, int]:
     """FLOPs of scaled dot-product attention's forward and backward for these shapes, as torch counts them
     (``torch.utils.flop_counter.sdpa_flop_count`` and ``sdpa_backward_flop_count``, not in the module's ``__all__``).
