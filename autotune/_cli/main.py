@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from autotune._version import __version__
 from autotune._cli import search as _cli_search
 from autotune._cli import speed as _cli_speed
+from autotune._cli.options import int_option as _int_option
+from autotune._cli.options import size_option as _size_option
 from autotune._device.budget import format_bytes
 
 if TYPE_CHECKING:
@@ -235,28 +237,6 @@ def _settled(row: Any, *, target: str, config: str | None) -> Any:
     if result.status != "ok" or not result.peak_bytes:
         return row
     return dataclasses.replace(row, measured_peak_bytes=result.peak_bytes)
-
-
-def _int_option(name: str, value: str | None, accepted: str) -> int | None:
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{name} must be {accepted}; got {value!r}")
-    return int(value)
-
-
-def _size_option(name: str, value: str | None) -> int | None:
-    from autotune._device.budget import Budget
-
-    if value is None:
-        return None
-    try:
-        parsed = Budget.parse(value)
-    except ValueError:
-        parsed = None
-    if parsed is None or parsed.kind != "bytes":
-        raise ValueError(f"{name} must be a size like 80GiB, 24GB or a number of bytes; got {value!r}")
-    return int(parsed.value)  # type: ignore[arg-type]
 
 
 #: How each row was traced (``Estimate.method``), in the table: no data, or real tensors on the host (notes say more).

@@ -97,12 +97,12 @@ def build_suggest(parser: argparse.ArgumentParser) -> None:
 
 def run_suggest(args: argparse.Namespace) -> int:
     """Rank the space's plans predicted to fit by predicted speed and write the fastest as a tuned file."""
-    from autotune._cli.main import _int_option, _size_option
+    from autotune._cli.options import int_option, size_option
     from autotune._device.budget import Budget
 
-    memory = _size_option("--device-memory", args.device_memory)
-    devices = _int_option("--devices", args.devices, "an int >= 1")
-    top = _int_option("--top", args.top, "a positive int")
+    memory = size_option("--device-memory", args.device_memory)
+    devices = int_option("--devices", args.devices, "an int >= 1")
+    top = int_option("--top", args.top, "a positive int")
     device, entry, memory = device_options(args.device, args.device_type, memory)
     if args.budget is None and memory is None:
         raise ValueError("give --budget (20GiB, 0.8, auto), --device-memory (80GiB) or --device-type")
