@@ -154,7 +154,7 @@ def test_this_machines_device_is_measured_once_and_cached(tmp_path: Path, monkey
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(local_speed, "_MATMUL_SIZES", {"cpu": (16, 64)})  # the real kernels, small
     monkeypatch.setattr(local_speed, "_COPY_BYTES", {"cpu": 2**20})
-    monkeypatch.setattr(local_speed, "_attention", lambda device, dtype, sync: 1e9)
+    monkeypatch.setattr(local_speed, "_attention", lambda device, dtype, sync: {"forward": (1e9, 0.0), "backward": (1e9, 0.0)})
     speed = local_speed.local_device_speed(torch.device("cpu"))
     assert speed.measured and speed.kind == "cpu" and not speed.asynchronous
     assert min(speed.flops["fp32"], speed.memory_bandwidth, speed.launch_seconds) > 0

@@ -86,6 +86,7 @@ class Calibration:
         self.prior = {b: float(prior.get(b, 1.0)) for b in BOUNDS}
         self.observations: list[Observation] = []
         self._efficiency: dict[str, float] | None = None
+        self._error: float | None = None
 
     @property
     def trials(self) -> int:
@@ -96,7 +97,7 @@ class Calibration:
         """One measured trial: its plan's parts and its seconds per optimizer step."""
         if measured_seconds > 0 and math.isfinite(measured_seconds):
             self.observations.append(Observation(parts, float(measured_seconds)))
-            self._efficiency = None
+            self._efficiency = self._error = None
 
     @property
     def efficiency(self) -> dict[str, float]:
@@ -110,8 +111,11 @@ class Calibration:
         None before any trial."""
         if not self.observations:
             return None
+        if self._error is not None:
+            return self._error
         errors = []
         for i, observation in enumerate(self.observations):
             others = fit_efficiency(self.observations[:i] + self.observations[i + 1:], self.prior)
             errors.append(abs(observation.parts.total(others) - observation.seconds) / observation.seconds)
-        return statistics.median(errors)
+        self._error = statistics.median(errors)
+        return self._error

@@ -34,8 +34,10 @@ class DeviceSpeed:
         launch_seconds: The host's cost of one operator (Python, dispatcher, autograd, kernel launch).
         matmul_seconds: The device's fixed cost of a matrix product by dtype, beyond its FLOPs (measured devices:
             small products reach less of the peak; none for the table's GPUs).
-        attention_flops: FLOP/s of attention kernels (forward and backward) by dtype where measured (a CPU's bf16
-            attention backward runs at a tenth of its matrix products' rate); else the matrix products' rate.
+        attention_flops: FLOP/s of attention kernels where measured, by dtype for the forward (``"bf16"``) and the
+            backward (``"bf16 backward"``); else the matrix products' rate.
+        attention_seconds: The fixed cost of an attention kernel per head (batch x heads), keyed alike (a CPU's bf16
+            backward takes about 70 us a head, ten times its forward).
         host_memory_bandwidth: Bytes/s of the host's memory, for updates run on the host (optimizer offload).
         memory_bytes: The device's memory (None: not known).
         capability, sm_count, nvml_name: How a GPU present on this machine is matched to this entry (exactly: a near
@@ -53,6 +55,7 @@ class DeviceSpeed:
     launch_seconds: float
     matmul_seconds: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
+    attention_seconds: dict[str, float] = field(default_factory=dict)
     host_memory_bandwidth: float = 50 * GB
     memory_bytes: int | None = None
     capability: tuple[int, int] | None = None
@@ -67,11 +70,12 @@ class DeviceSpeed:
         the device's work, not their sum."""
         return self.kind == "cuda"
 
-    def matmul_flops(self, dtype: str, *, attention: bool = False) -> float:
-        """Peak FLOP/s of a matrix product (``attention``: an attention kernel) in ``dtype`` (one of :attr:`flops`'
-        keys; fp32's where missing)."""
-        if attention and self.attention_flops.get(dtype):
-            return self.attention_flops[dtype]
+    def matmul_flops(self, dtype: str, *, attention: str | None = None) -> float:
+        """Peak FLOP/s of a matrix product in ``dtype`` (one of :attr:`flops`' keys; fp32's where missing), or of an
+        attention kernel's ``"forward"`` or ``"backward"`` where measured."""
+        key = dtype if attention == "forward" else f"{dtype} backward"
+        if attention and self.attention_flops.get(key):
+            return self.attention_flops[key]
         return self.flops.get(dtype) or self.flops["fp32"]
 
 

@@ -1,5 +1,6 @@
 """This machine's device measured for the step-time model: matrix products per dtype (FLOP/s and a fixed cost each),
-a large copy (memory bandwidth), a training step of tiny modules (the host's cost per operator), and on
+attention at a short and a long sequence (FLOP/s and a fixed cost per head), a large copy (memory bandwidth), a
+training step of tiny modules (the host's cost per operator), and on
 CUDA pinned copies to and from the host (the host link). Measured once per device, torch version and thread count, and kept in a JSON file under the user's cache folder
 (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``, else ``~/.cache/lightning-autotune``); about a
 second on a CPU.
@@ -95,7 +96,11 @@ def measure_device(device: torch.device) -> DeviceSpeed:
             flops["tf32"], fixed["tf32"] = _matmul(device, torch.float32, _MATMUL_SIZES[kind], sync)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = allowed
-    attention = {name: _attention(device, _DTYPES[name], sync) for name in ("fp32", "bf16")}
+    attention, attention_seconds = {}, {}
+    for name in ("fp32", "bf16"):
+        for phase, (rate, per_head) in _attention(device, _DTYPES[name], sync).items():
+            key = name if phase == "forward" else f"{name} backward"
+            attention[key], attention_seconds[key] = rate, per_head
     size = _COPY_BYTES[kind] // 4
     source, target = torch.empty(size, device=device), torch.empty(size, device=device)
     memory = 2 * size * 4 / _best(lambda: target.copy_(source), sync)
@@ -122,6 +127,7 @@ def measure_device(device: torch.device) -> DeviceSpeed:
     return DeviceSpeed(
         name=name, kind=kind, flops=flops, memory_bandwidth=memory, host_link_bandwidth=link,
         interconnect_bandwidth=interconnect, launch_seconds=launch, matmul_seconds=fixed, attention_flops=attention,
+        attention_seconds=attention_seconds,
         host_memory_bandwidth=host_memory,
         memory_bytes=memory_bytes, capability=known.capability if known else None,
         sm_count=known.sm_count if known else None, nvml_name=known.nvml_name if known else None, measured=True,
@@ -154,21 +160,44 @@ def _matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int],
     return rate, max(0.0, timed[0] - 2 * small**3 / rate)
 
 
-def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]) -> float:
-    """FLOP/s of scaled dot-product attention forward and backward (torch's FLOP formulas), causal, 4 heads of 64
-    over 512 positions (CUDA: 16 heads of 128 over 2048)."""
+#: Attention timed per device kind: (batch x heads, positions, head width) of a short and a long sequence.
+_ATTENTION_SHAPES = {"cpu": ((64, 32, 16), (4, 512, 64)), "cuda": ((256, 128, 64), (16, 2048, 128))}
+
+
+def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, tuple[float, float]]:
+    """Scaled dot-product attention, causal, at a short sequence over many heads and a long one over few: for its
+    forward and its backward apart, the FLOP/s (torch's FLOP formulas, halved for the causal mask) and the fixed
+    seconds per head that fit both shapes (a CPU's bf16 backward takes far longer per head than its FLOPs say)."""
     from torch.nn.functional import scaled_dot_product_attention
 
     from autotune._compat import attention_flops
 
-    heads, length, width = (16, 2048, 128) if device.type == "cuda" else (4, 512, 64)
-    q, k, v = (torch.randn(1, heads, length, width, device=device).to(dtype).requires_grad_() for _ in range(3))
+    timed: dict[str, list[tuple[int, float, float]]] = {"forward": [], "backward": []}
+    for heads, length, width in _ATTENTION_SHAPES["cuda" if device.type == "cuda" else "cpu"]:
+        q, k, v = (torch.randn(1, heads, length, width, device=device).to(dtype).requires_grad_() for _ in range(3))
 
-    def run() -> None:
-        scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        def forward(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            with torch.no_grad():
+                scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    forward, backward = attention_flops(q.shape, k.shape, v.shape)
-    return (forward + backward) / 2 / _best(run, sync, repeats=3)  # causal: half the products are skipped
+        def both(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        flops = attention_flops(q.shape, k.shape, v.shape)
+        seconds = _best(forward, sync, repeats=3)
+        timed["forward"].append((heads, flops[0] / 2, seconds))
+        timed["backward"].append((heads, flops[1] / 2, max(_best(both, sync, repeats=3) - seconds, 1e-9)))
+    return {phase: _rate_and_fixed(points) for phase, points in timed.items()}
+
+
+def _rate_and_fixed(points: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """The FLOP/s and fixed seconds per head through two timings ``(heads, flops, seconds)``:
+    ``seconds = heads * fixed + flops / rate`` (all rate where the second is no slower per FLOP)."""
+    (n_short, f_short, t_short), (n_long, f_long, t_long) = points
+    per_flop = (t_long - t_short * n_long / n_short) / (f_long - f_short * n_long / n_short)
+    if per_flop <= 0:
+        return f_long / t_long, 0.0
+    return 1 / per_flop, max(0.0, (t_short - f_short * per_flop) / n_short)
 
 
 def _host_seconds_per_operator(device: torch.device, sync: Callable[[], None]) -> float:

@@ -14,12 +14,12 @@ that the trace does not run (:class:`~autotune._estimate.fake_step.LowBitStandIn
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import logging
+import math
 
 import torch
 
@@ -52,10 +52,7 @@ class OpWork:
     host_link: bool = False
     attention: bool = False  # an attention kernel (its FLOPs at the device's attention rate)
     calls: float = 1.0  # the host's cost in operators (a compiled function's guards cost several)
-
-    def scaled(self, factor: float) -> OpWork:
-        """This operator on ``factor`` times the samples (FLOPs and bytes in proportion)."""
-        return dataclasses.replace(self, flops=self.flops * factor, bytes=self.bytes * factor)
+    heads: int = 0  # an attention kernel's batch x heads (its fixed cost per head)
 
 
 @dataclass(frozen=True)
@@ -129,8 +126,9 @@ class WorkCounter:
         dtype = _DTYPES.get(outputs[0].dtype if outputs else inputs[0].dtype if inputs else torch.float32, "fp32")
         tensors = len(args[0]) if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)) else 1
         phase = "recompute" if self.phase == "backward" and torch.is_grad_enabled() else self.phase
-        self.ops.append(OpWork(phase, flops, float(moved), dtype, max(tensors, 1), host_link,
-                               attention=bool(flops) and "attention" in name))
+        attention = bool(flops) and "attention" in name
+        heads = math.prod(inputs[0].shape[:-2]) if attention and inputs and inputs[0].dim() > 2 else 0
+        self.ops.append(OpWork(phase, flops, float(moved), dtype, max(tensors, 1), host_link, attention, heads=heads))
 
     def work(self, *, micro_batch_size: int, model: torch.nn.Module, optimizers: list[Any],
              offloaded: list[torch.Tensor], host_state_bytes: int) -> StepWork:
