@@ -86,6 +86,12 @@ def test_bytes_are_each_tensor_read_or_written_once_and_copies_off_the_device_cr
     assert broadcast.bytes == 4 * 72 and (view.bytes, view.flops) == (expand.bytes, expand.flops) == (0, 0)
     assert (mm.flops, mm.bytes, mm.dtype) == (2 * 4 * 8 * 16, 4 * (32 + 128 + 64), "fp32")
     assert copy.host_link and copy.bytes == 4 * 32
+    q = torch.randn(2, 4, 8, 16)  # batch 2, 4 heads: attention's fixed cost is per head
+    counter.ops.clear()
+    with step_tracker(counter=counter):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    [attention] = [op for op in counter.ops if op.flops]
+    assert attention.attention and attention.heads == 8 and attention.flops == 2 * (2 * 2 * 4 * 8 * 8 * 16)
 
 
 def _speed(**changes: Any) -> DeviceSpeed:
