@@ -559,6 +559,14 @@ def trial_id(trial: Any) -> int:
     return int(trial._trial_id)
 
 
+def enqueued_params(trial: Any) -> dict[str, Any]:
+    """The parameters a waiting trial was enqueued with (its ``system_attrs["fixed_params"]``, where
+    ``Study.enqueue_trial`` keeps them; a waiting trial's ``params`` are empty until it runs). If Optuna kept them
+    elsewhere, a search would no longer see which queued plans its step-time model has ruled out, and would not stop
+    early while any is queued."""
+    return dict(trial.system_attrs.get("fixed_params") or {})
+
+
 def journal_file_path(storage: Any) -> str | None:
     """The file of a ``JournalStorage`` on a ``JournalFileBackend`` (``JournalStorage._backend._file_path``), or
     None. If either changed, workers seeding one study through a journal file would not take the shared lock, and

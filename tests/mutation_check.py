@@ -251,6 +251,25 @@ MUTATIONS = (
              "autotune/_runtime/blocks.py", "        if (authors or cls in stacked) and all(",
              "        if not authors and cls in stacked and all(",
              ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
+    Mutation("step-work-recompute-phase", "the step-time model counts checkpointing's recomputation apart",
+             "autotune/_estimate/work.py",
+             '        phase = "recompute" if self.phase == "backward" and torch.is_grad_enabled() else self.phase\n',
+             "        phase = self.phase\n",
+             ("tests/test_step_time.py::test_the_flops_of_a_known_step_are_counted_exactly_by_phase",)),
+    Mutation("step-time-host-link", "offloaded activations cost host-link time, more over a slower link",
+             "autotune/_estimate/step_time.py",
+             '            self.parts["host link"] += moved / device.host_link_bandwidth\n',
+             "            pass\n", ("tests/test_step_time.py::test_what_if_rankings_whose_order_is_certain",)),
+    Mutation("calibration-per-bound", "trials of known efficiencies give them back, bound by bound",
+             "autotune/_estimate/calibration.py",
+             "    u = np.clip(np.linalg.solve(lhs, rhs), 1 / LIMIT, LIMIT)\n", "    u = np.ones(len(used))\n",
+             ("tests/test_step_time_calibration.py::test_trials_of_known_efficiencies_give_them_back",)),
+    Mutation("search-stops-within-the-models-error", "the search stops only when no plan can win by the model's error",
+             "autotune/_search/confirm.py",
+             "            if predicted is None or predicted.samples_per_second * margin >= best:\n",
+             "            if predicted is None or predicted.samples_per_second >= best:\n",
+             ("tests/test_search_confirm.py::"
+              "test_the_search_stops_once_no_unmeasured_plan_can_beat_the_best_by_the_models_error",)),
 )
 
 

@@ -51,6 +51,7 @@ class SearchSpeed:
         self.estimator, self.batch_size, self.devices = estimator, batch_size, devices
         self._speed = speed
         self._model: SpeedModel | None = None
+        self._warned = False
 
     @property
     def model(self) -> SpeedModel:
@@ -67,9 +68,26 @@ class SearchSpeed:
 
     def predict(self, plan: Plan) -> SpeedPrediction | None:
         """``plan``'s predicted speed over the search's devices, with the efficiencies its trials have fitted; None
-        when the estimator cannot trace it."""
+        when the estimator cannot trace it or the device cannot be measured."""
         work = self.estimator.work(plan)
-        return None if work is None else self.model.predict(work, plan, world_size=self.devices)
+        if work is None:
+            return None
+        try:
+            return self.model.predict(work, plan, world_size=self.devices)
+        except Exception as err:  # the model is an aid: a search goes on without it
+            self._failed(err)
+            return None
+
+    def _failed(self, err: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("autotune: the step-time model cannot predict this search's plans (%s: %s); the first trials "
+                        "are ordered without it", type(err).__name__, " ".join(str(err).split())[:200])
+
+    def prediction_dict(self, plan: Plan) -> dict[str, Any]:
+        """``plan``'s prediction for a tuned file's provenance (empty when it cannot be predicted)."""
+        predicted = self.predict(plan)
+        return predicted.as_dict() if predicted is not None else {}
 
     def seconds_per_sample(self, plan: Plan) -> float:
         """Predicted seconds per sample of ``plan`` (over all ranks); ``inf`` when it cannot be predicted."""
@@ -82,13 +100,17 @@ class SearchSpeed:
         work = self.estimator.work(plan)
         if work is None or not samples_per_second:
             return False
-        self.model.observe(self.model.parts(work, plan, world_size=self.devices),
-                           samples_per_second=samples_per_second, world_size=self.devices)
+        try:
+            self.model.observe(self.model.parts(work, plan, world_size=self.devices),
+                               samples_per_second=samples_per_second, world_size=self.devices)
+        except Exception as err:  # as in predict
+            self._failed(err)
+            return False
         return True
 
     def error(self) -> float | None:
         """The model's relative error on this target so far (each measured trial predicted from the others)."""
-        return self.model.calibration.error() if self._model is not None else None
+        return self._model.calibration.error() if self._model is not None else None
 
 
 def less_work_key(plan: Plan, *, batch_size: int) -> tuple[Any, ...]:
