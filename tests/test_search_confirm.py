@@ -100,3 +100,24 @@ def test_less_work_orders_recomputation_offload_and_low_bit_state_before_micro_b
     assert [p.describe() for p in ordered] == [
         "32-true, micro 16", "32-true, micro 4", "32-true, micro 32, 8bit state", "32-true, micro 32, offload",
         "32-true, micro 32, ckpt 1.0"]
+
+
+def test_a_searchs_predictions_do_not_depend_on_what_was_traced_before() -> None:
+    from pathlib import Path
+
+    import torch
+
+    from autotune import load_target
+    from autotune._estimate.devices import KNOWN_DEVICES
+    from autotune._search.memory import SearchEstimator
+    from autotune._search.speed import SearchSpeed
+
+    gpt = f"{Path(__file__).resolve().parents[1] / 'examples' / 'gpt' / 'train.py'}:make"
+
+    def speed() -> SearchSpeed:
+        return SearchSpeed(SearchEstimator(load_target(gpt), torch.device("cpu")), batch_size=32, devices=1,
+                           speed=KNOWN_DEVICES["l4"])
+
+    fresh, used = speed(), speed()
+    used.estimator.tensors(Plan(micro_batch_size=2))  # the memory side traced micro-batch 2 first
+    assert used.seconds_per_sample(Plan(micro_batch_size=32)) == fresh.seconds_per_sample(Plan(micro_batch_size=32))

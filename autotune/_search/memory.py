@@ -111,15 +111,10 @@ class SearchEstimator:
 
     def work(self, plan: Plan) -> StepWork | None:
         """The FLOPs and bytes of ``plan``'s step, op by op (what its speed is predicted from): its shape's trace at
-        the traced micro-batch nearest ``plan``'s (the step-time model takes the passes' work in proportion to the
-        samples), traced at ``plan``'s own when its shape has none yet; None when the estimator cannot tell."""
-
-        def nearest(traces: Any) -> Any:
-            micro = min(plan.micro_batch_size or traces.size, traces.size)
-            done = traces.traced_micro_batches()
-            return traces.work(min(done, key=lambda m: (abs(m - micro), -m)) if done else micro)
-
-        result = self._call(nearest, plan)
+        the whole batch, whatever ``plan``'s micro-batch (the step-time model takes a pass's work in proportion to its
+        samples), so every plan of every shape is predicted from a trace made alike; None when the estimator cannot
+        tell."""
+        result = self._call(lambda traces: traces.work(traces.size), plan)
         return None if result is _FAILED else result
 
     def traced(self, plan: Plan) -> bool:
