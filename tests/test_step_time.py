@@ -21,7 +21,8 @@ from autotune._estimate.devices import KNOWN_DEVICES, DeviceSpeed, device_type, 
 from autotune._estimate.fake_step import step_tracker
 from autotune._estimate.speed import SpeedModel
 from autotune._estimate.trace import Traces
-from autotune._estimate.work import WorkCounter
+from autotune._estimate.step_time import BOUNDS, step_parts
+from autotune._estimate.work import OpWork, StepWork, WorkCounter
 
 BATCH, WIDTH, OUT = 16, 64, 8
 
@@ -149,6 +150,27 @@ def test_what_if_predictions_name_their_bound(wide: Callable[..., float]) -> Non
     assert big.bound == "compute" and 0.3 < big.mfu < 0.7  # a datasheet's peak at 70%, less the memory-bound ops
 
 
+def test_a_cpus_pointwise_math_its_caches_and_fresh_pages() -> None:
+    cpu = DeviceSpeed(name="cpu", kind="cpu", flops={"fp32": 1e11}, memory_bandwidth=1e10, host_link_bandwidth=1e10,
+                      interconnect_bandwidth=1e9, launch_seconds=0.0, measured=True,
+                      pointwise_seconds={"tanh|fp32": 2e-9, "add|fp32": 1e-10}, bandwidth_by_size=((2**23, 4e10),),
+                      fresh_page_bandwidth=2e9)
+    mega = 2**20
+
+    def seconds(op: OpWork) -> dict[str, float]:
+        work = StepWork(ops=(op,), micro_batch_size=1)
+        parts = step_parts(work, Plan(micro_batch_size=1), device=cpu, batch_size=1, efficiency=dict.fromkeys(BOUNDS, 1))
+        return {b: v for b, v in parts.seconds.items() if v}
+
+    # a tanh over a million values in the caches: its math (2 ns a value), not its 8 MiB at 40 GB/s
+    assert seconds(OpWork("forward", 0.0, 8 * mega, "fp32", elements=mega, kernel="tanh")) == {"compute": 2e-9 * mega}
+    # an add whose 12 MiB leave the caches: the memory's bandwidth, not its arithmetic
+    assert seconds(OpWork("forward", 0.0, 12 * mega, "fp32", elements=mega)) == {"memory": 12 * mega / 1e10}
+    # 64 MiB made anew each time: its pages faulted in
+    big = seconds(OpWork("forward", 0.0, 128 * mega, "fp32", elements=16 * mega, written=64 * mega))
+    assert big == {"memory": pytest.approx(128 * mega / 1e10 + 64 * mega / 2e9)}
+
+
 def test_the_devices_table_by_name_and_a_bad_name_in_one_line() -> None:
     assert device_type("H100") is KNOWN_DEVICES["h100-sxm"] and device_type("a100") is KNOWN_DEVICES["a100-80gb"]
     assert peak_flops_for("NVIDIA H200", (9, 0), 132, "32-true") == KNOWN_DEVICES["h200"].flops["tf32"]
@@ -160,10 +182,15 @@ def test_this_machines_device_is_measured_once_and_cached(tmp_path: Path, monkey
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(local_speed, "_MATMUL_SIZES", {"cpu": (16, 64)})  # the real kernels, small
     monkeypatch.setattr(local_speed, "_COPY_BYTES", {"cpu": 2**20})
-    monkeypatch.setattr(local_speed, "_attention", lambda device, dtype, sync: {"forward": (1e9, 0.0), "backward": (1e9, 0.0)})
+    monkeypatch.setattr(local_speed, "_CACHED_COPIES", {"cpu": (2**16,)})
+    monkeypatch.setattr(local_speed, "_POINTWISE_VALUES", 2**12)
+    monkeypatch.setattr(local_speed, "_attention", lambda device, dtype, sync: {"forward": (1e9, 0.0),
+                                                                                  "backward": (1e9, 0.0)})
+    monkeypatch.setattr(local_speed, "_fresh_page_bandwidth", lambda sync: 1e9)  # 64 MiB written 16 times
     speed = local_speed.local_device_speed(torch.device("cpu"))
     assert speed.measured and speed.kind == "cpu" and not speed.asynchronous
     assert min(speed.flops["fp32"], speed.memory_bandwidth, speed.launch_seconds) > 0
+    assert speed.pointwise_seconds["tanh|bf16"] > 0 and speed.pointwise_seconds["add|fp32"] > 0
     [key] = json.loads((tmp_path / "device-speed.json").read_text())
     assert key.startswith("cpu|") and f"torch {torch.__version__}" in key and "threads" in key
 

@@ -11,9 +11,11 @@ copy one way gets half). What a step reaches of them is the model's efficiency p
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["DATASHEET_EFFICIENCY", "DeviceSpeed", "KNOWN_DEVICES", "device_type", "matching_device", "mfu_dtype",
+__all__ = ["DATASHEET_EFFICIENCY", "FRESH_PAGES_FROM", "DeviceSpeed", "KNOWN_DEVICES", "device_type", "matching_device", "mfu_dtype",
            "peak_flops_for"]
 
 GB, TB = 1e9, 1e12
@@ -29,6 +31,14 @@ class DeviceSpeed:
         flops: Peak dense FLOP/s of matrix products by dtype: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``,
             ``"fp8"`` (a dtype missing runs at ``"fp32"``'s).
         memory_bandwidth: Bytes/s between the device's memory and its cores.
+        pointwise_seconds: Where measured, seconds per value written by pointwise operators, keyed
+            ``"kernel|dtype"``: each of ``POINTWISE_MATH`` (``"tanh|fp32"``), and ``"add|dtype"`` for all other
+            arithmetic (a CPU's bf16 add, converting, is slower than its fp32 one); none on the table's GPUs, whose
+            pointwise operators are bound by their bytes.
+        fresh_page_bandwidth: A CPU's bytes/s of writing memory the OS has just mapped (its page faults): what
+            each tensor of ``FRESH_PAGES_FROM`` bytes or more costs there (None: not measured).
+        bandwidth_by_size: Where measured, faster bytes/s of operators that move less (their data stays in the
+            caches): ``(bytes moved, bytes/s)`` pairs, smallest first (:meth:`bandwidth`).
         host_link_bandwidth: Bytes/s one way between host and device (PCIe); a CPU's is its memory's.
         interconnect_bandwidth: Bytes/s one way from one device to its peers (NVLink, else PCIe).
         launch_seconds: The host's cost of one operator (Python, dispatcher, autograd, kernel launch).
@@ -56,6 +66,9 @@ class DeviceSpeed:
     matmul_seconds: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_seconds: dict[str, float] = field(default_factory=dict)
+    bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    pointwise_seconds: dict[str, float] = field(default_factory=dict)
+    fresh_page_bandwidth: float | None = None
     host_memory_bandwidth: float = 50 * GB
     memory_bytes: int | None = None
     capability: tuple[int, int] | None = None
@@ -70,6 +83,26 @@ class DeviceSpeed:
         the device's work, not their sum."""
         return self.kind == "cuda"
 
+    def bandwidth(self, moved: float) -> float:
+        """Bytes/s of an operator moving ``moved`` bytes: the cached figure of the smallest measured size at least as
+        large, on a line in log-size towards the next (the memory's beyond the largest).
+
+        Example:
+            >>> speed = dataclasses.replace(KNOWN_DEVICES["l4"], bandwidth_by_size=((2**20, 4e11), (2**24, 2e11)))
+            >>> speed.bandwidth(2**20), speed.bandwidth(2**22), speed.bandwidth(2**30) == speed.memory_bandwidth
+            (400000000000.0, 300000000000.0, True)
+        """
+        points = [*self.bandwidth_by_size, (math.inf, self.memory_bandwidth)]
+        if moved <= points[0][0]:
+            return points[0][1]
+        for (small, fast), (large, slow) in zip(points, points[1:]):
+            if moved <= large:
+                if math.isinf(large):
+                    return slow
+                share = math.log(moved / small) / math.log(large / small)
+                return fast + (slow - fast) * share
+        return self.memory_bandwidth
+
     def matmul_flops(self, dtype: str, *, attention: str | None = None) -> float:
         """Peak FLOP/s of a matrix product in ``dtype`` (one of :attr:`flops`' keys; fp32's where missing), or of an
         attention kernel's ``"forward"`` or ``"backward"`` where measured."""
@@ -79,6 +112,10 @@ class DeviceSpeed:
         return self.flops.get(dtype) or self.flops["fp32"]
 
 
+#: On a CPU, tensors of this many bytes or more come from fresh pages each time they are made: glibc's malloc serves
+#: them with mmap and gives them back on free (its dynamic threshold grows no further than 32 MiB), so their first
+#: write costs page faults (a VM's took 10x a write to reused memory at 32 MiB and above, 1.1-1.6x at 16-24 MiB).
+FRESH_PAGES_FROM = 32 * 2**20
 #: What a step reaches of a datasheet's peaks before any trial measured it, by bound: large matrix products about 70%
 #: of the dense peak (torch's own runtime estimator assumes 75%), streaming kernels about 80% of the memory bandwidth,
 #: a pinned PCIe copy about 80% of the link, NCCL about 75% of NVLink's per-direction figure. Measured devices start

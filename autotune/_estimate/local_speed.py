@@ -5,7 +5,8 @@ CUDA pinned copies to and from the host (the host link). Measured once per devic
 (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``, else ``~/.cache/lightning-autotune``); about a
 second on a CPU.
 
-Each figure is the best of a few repetitions (a busy machine slows some of them). A matrix product's rate is taken
+Each figure is the best of a few repetitions, timed on a CPU by the process's CPU time (over its threads): other
+processes' load on a shared machine does not stretch it, as it stretches the wall clock. A matrix product's rate is taken
 from two sizes: the larger one's FLOP/s is the peak, and what the smaller one took beyond its share of that is a fixed
 cost per product (``DeviceSpeed.matmul_seconds``), which the model adds to each product. A CPU has no interconnect to measure: its collectives
 (gloo) copy through memory, taken at a quarter of its bandwidth. A GPU that is in the table
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from autotune._estimate.devices import DeviceSpeed, matching_device
+from autotune._estimate.devices import FRESH_PAGES_FROM, DeviceSpeed, matching_device
 
 __all__ = ["cache_dir", "local_device_speed", "measure_device"]
 
@@ -35,6 +36,10 @@ _CACHE_FILE = "device-speed.json"
 #: Matrix sizes (square) timed per dtype, by device kind: the smaller gives the fixed cost, the larger the peak.
 _MATMUL_SIZES = {"cpu": (64, 512), "cuda": (1024, 8192)}
 _COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
+#: Smaller copies (bytes of each tensor): how much faster data that stays in the caches moves (a CPU's L2 and L3).
+_CACHED_COPIES = {"cpu": (2**20, 4 * 2**20, 16 * 2**20)}
+#: Values a pointwise kernel is timed over (4 MiB in fp32: in the caches, so its math is what is timed).
+_POINTWISE_VALUES = 2**20
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,11 +86,29 @@ def local_device_speed(device: torch.device, *, refresh: bool = False) -> Device
     return speed
 
 
+class _Clock:
+    """How a measurement waits for the device (calling it) and reads the time (:meth:`now`): on CUDA the wall clock
+    after a synchronize; on the CPU the process's CPU time over its threads, which other processes' load on a shared
+    machine does not stretch (the wall clock of a matrix product there moved 10x between runs, its CPU time not)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            return time.perf_counter()
+        return time.process_time() / max(1, torch.get_num_threads())
+
+
 def measure_device(device: torch.device) -> DeviceSpeed:
     """Measure ``device`` now (see the module's notes)."""
     cuda = device.type == "cuda"
     kind = "cuda" if cuda else "cpu"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    sync = _Clock(device)
     flops, fixed = {}, {}
     for name, dtype in _DTYPES.items():
         flops[name], fixed[name] = _matmul(device, dtype, _MATMUL_SIZES[kind], sync)
@@ -102,10 +125,11 @@ def measure_device(device: torch.device) -> DeviceSpeed:
             key = name if phase == "forward" else f"{name} backward"
             attention[key], attention_seconds[key] = rate, per_head
     size = _COPY_BYTES[kind] // 4
-    source, target = torch.empty(size, device=device), torch.empty(size, device=device)
-    memory = 2 * size * 4 / _best(lambda: target.copy_(source), sync)
-    del source, target
+    memory = _copy_bandwidth(device, size, sync)
+    by_size = tuple((2 * n, _copy_bandwidth(device, n // 4, sync)) for n in _CACHED_COPIES.get(kind, ()))
     launch = _host_seconds_per_operator(device, sync)
+    pointwise = _pointwise_seconds(device, sync) if not cuda else {}  # a GPU's are bound by their bytes
+    fresh = None if cuda else _fresh_page_bandwidth(sync)
     host_memory = memory if not cuda else _host_copy_bandwidth()
     if cuda:
         host = torch.empty(size, pin_memory=True)
@@ -126,6 +150,8 @@ def measure_device(device: torch.device) -> DeviceSpeed:
         known = None
     return DeviceSpeed(
         name=name, kind=kind, flops=flops, memory_bandwidth=memory, host_link_bandwidth=link,
+        bandwidth_by_size=tuple((n, bw) for n, bw in by_size if bw > memory), pointwise_seconds=pointwise,
+        fresh_page_bandwidth=fresh,
         interconnect_bandwidth=interconnect, launch_seconds=launch, matmul_seconds=fixed, attention_flops=attention,
         attention_seconds=attention_seconds,
         host_memory_bandwidth=host_memory,
@@ -227,23 +253,67 @@ def _host_seconds_per_operator(device: torch.device, sync: Callable[[], None]) -
 
 
 def _best(fn: Callable[[], Any], sync: Callable[[], None], *, repeats: int = 7) -> float:
-    """The shortest of ``repeats`` timed calls of ``fn`` (after one untimed)."""
+    """The shortest of ``repeats`` timed calls of ``fn`` (after one untimed), by ``sync``'s clock (:class:`_Clock`;
+    the wall clock for a plain function)."""
+    now = getattr(sync, "now", time.perf_counter)
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        best = min(best, now() - start)
+    return max(best, 1e-9)
+
+
+def _pointwise_seconds(device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds per value of each pointwise kernel of ``POINTWISE_MATH`` and of an add, in fp32 and bf16, over
+    ``_POINTWISE_VALUES`` values."""
+    from autotune._estimate.work import POINTWISE_MATH
+
+    aten = torch.ops.aten
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x = (torch.rand(_POINTWISE_VALUES, device=device) + 0.5).to(dtype)  # positive: log's fast path
+        calls = {kernel: (lambda op=getattr(aten, kernel): op(x)) for kernel in POINTWISE_MATH
+                 if kernel not in ("gelu_backward", "silu_backward", "_softmax", "_log_softmax")}
+        calls.update({"gelu_backward": lambda: aten.gelu_backward(x, x), "silu_backward": lambda: aten.silu_backward(x, x),
+                      "_softmax": lambda: getattr(aten, "_softmax")(x.view(-1, 1024), -1, False),
+                      "_log_softmax": lambda: getattr(aten, "_log_softmax")(x.view(-1, 1024), -1, False),
+                      "add": lambda: aten.add(x, x)})
+        for kernel, call in calls.items():
+            out[f"{kernel}|{name}"] = _best(call, sync) / x.numel()
+    return out
+
+
+def _fresh_page_bandwidth(sync: Callable[[], None]) -> float:
+    """Bytes/s of faulting in fresh pages: a new 64 MiB tensor written, less the same write to a reused one."""
+    numel = 2 * FRESH_PAGES_FROM // 4
+    reused = torch.empty(numel)
+    reused.fill_(1.0)
+    again = _best(lambda: reused.fill_(1.0), sync)
+    fresh = _best(lambda: torch.empty(numel).fill_(1.0), sync)
+    return 4 * numel / max(fresh - again, 1e-9)
+
+
+def _copy_bandwidth(device: torch.device, numel: int, sync: Callable[[], None]) -> float:
+    """Bytes/s read and written by copying ``numel`` floats (the best of several)."""
+    source, target = torch.empty(numel, device=device), torch.empty(numel, device=device)
+    calls = max(1, 2**24 // numel)  # about 64 MiB a run, so small copies are timed over many
+
+    def run() -> None:
+        for _ in range(calls):
+            target.copy_(source)
+
+    return 2 * numel * 4 * calls / _best(run, sync)
 
 
 def _host_copy_bandwidth() -> float:
     """The host's memory bandwidth (a 64 MiB copy), for updates that run on the host."""
     size = _COPY_BYTES["cpu"] // 4
     source, target = torch.empty(size), torch.empty(size)
-    return 2 * size * 4 / _best(lambda: target.copy_(source), lambda: None)
+    return 2 * size * 4 / _best(lambda: target.copy_(source), _Clock(torch.device("cpu")))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -264,4 +334,5 @@ def _from_json(data: dict[str, Any]) -> DeviceSpeed:
     fields = dict(data)
     if fields.get("capability") is not None:
         fields["capability"] = tuple(fields["capability"])
+    fields["bandwidth_by_size"] = tuple(tuple(point) for point in fields.get("bandwidth_by_size") or ())
     return DeviceSpeed(**fields)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune._estimate.devices import DeviceSpeed, mfu_dtype
+from autotune._estimate.devices import FRESH_PAGES_FROM, DeviceSpeed, mfu_dtype
 from autotune._estimate.work import OpWork, StepWork
 from autotune._plan.plan import Plan
 
@@ -218,8 +218,14 @@ class _Accumulator:
         fixed = (op.heads * factor * device.attention_seconds.get(key, 0.0) if op.attention
                  else device.matmul_seconds.get(dtype, 0.0) if flops else 0.0)
         compute = flops / rate + fixed
-        memory = moved / device.memory_bandwidth
-        if compute / self.efficiency.get("compute", 1.0) >= memory / self.efficiency.get("memory", 1.0) and flops:
+        if op.elements and device.pointwise_seconds:  # pointwise math: a CPU's per value cost
+            per_value = device.pointwise_seconds.get(f"{op.kernel}|{dtype}") if op.kernel else None
+            compute = op.elements * factor * (per_value or device.pointwise_seconds.get(f"add|{dtype}", 0.0))
+        memory = moved / device.bandwidth(moved)
+        written = op.written * factor
+        if device.fresh_page_bandwidth and written >= FRESH_PAGES_FROM:  # faulted in, each time it is made
+            memory += written / device.fresh_page_bandwidth
+        if compute > 0 and compute / self.efficiency.get("compute", 1.0) >= memory / self.efficiency.get("memory", 1.0):
             self.parts["compute"] += compute
         else:
             self.parts["memory"] += memory

@@ -33,6 +33,10 @@ PHASES = ("forward", "backward", "recompute", "update")
 #: Operators that allocate or alias and run no kernel (besides every view: ``OpOverload.is_view``).
 _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                    "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "alias", "detach"})
+#: Pointwise operators whose math, not their bytes, can set their time on a CPU (a tanh costs 25 times an add there):
+#: a measured device times each per value (:mod:`autotune._estimate.local_speed`).
+POINTWISE_MATH = ("tanh", "exp", "log", "sigmoid", "gelu", "gelu_backward", "silu", "silu_backward", "erf", "_softmax",
+                  "_log_softmax")
 #: The host's cost of calling a compiled function (its guards, then its kernel), in eager operators.
 COMPILED_CALL = 10.0
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
@@ -53,6 +57,9 @@ class OpWork:
     attention: bool = False  # an attention kernel (its FLOPs at the device's attention rate)
     calls: float = 1.0  # the host's cost in operators (a compiled function's guards cost several)
     heads: int = 0  # an attention kernel's batch x heads (its fixed cost per head)
+    elements: int = 0  # values an operator without FLOPs goes through (pointwise math's cost is per value)
+    kernel: str = ""  # for pointwise math measured per kernel (``POINTWISE_MATH``): its name
+    written: float = 0.0  # bytes of its outputs (a large one comes from fresh pages on a CPU)
 
 
 @dataclass(frozen=True)
@@ -124,11 +131,17 @@ class WorkCounter:
             except Exception as error:  # a formula that does not take these arguments: the op is memory traffic
                 log.debug("autotune: no FLOPs counted for %s (%s: %s)", func, type(error).__name__, error)
         dtype = _DTYPES.get(outputs[0].dtype if outputs else inputs[0].dtype if inputs else torch.float32, "fp32")
+        if not flops and any(t.dtype in (torch.bfloat16, torch.float16) for t in (*inputs, *outputs)):
+            dtype = "bf16" if dtype == "fp32" else dtype  # pointwise work converting to or from 16 bits
         tensors = len(args[0]) if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)) else 1
         phase = "recompute" if self.phase == "backward" and torch.is_grad_enabled() else self.phase
         attention = bool(flops) and "attention" in name
         heads = math.prod(inputs[0].shape[:-2]) if attention and inputs and inputs[0].dim() > 2 else 0
-        self.ops.append(OpWork(phase, flops, float(moved), dtype, max(tensors, 1), host_link, attention, heads=heads))
+        # the values a pointwise operator (or a reduction, over its input) goes through
+        elements = 0 if flops or host_link else max((t.numel() for t in (*inputs, *outputs)), default=0)
+        self.ops.append(OpWork(phase, flops, float(moved), dtype, max(tensors, 1), host_link, attention, heads=heads,
+                               elements=elements, kernel=name if name in POINTWISE_MATH else "",
+                               written=float(sum(_moved_bytes(t) for t in outputs))))
 
     def work(self, *, micro_batch_size: int, model: torch.nn.Module, optimizers: list[Any],
              offloaded: list[torch.Tensor], host_state_bytes: int) -> StepWork:
