@@ -33,6 +33,8 @@ __all__ = ["cache_dir", "local_device_speed", "measure_device"]
 log = logging.getLogger(__name__)
 
 _CACHE_FILE = "device-speed.json"
+#: The version of what is measured: a cache entry of another is measured anew (it lacks figures the model reads).
+_MEASURES = 1
 #: Matrix sizes (square) timed per dtype, by device kind: the smaller gives the fixed cost, the larger the peak.
 _MATMUL_SIZES = {"cpu": (64, 512), "cuda": (1024, 8192)}
 _COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
@@ -52,14 +54,15 @@ def cache_dir() -> Path:
 
 
 def _key(device: torch.device) -> str:
-    """The cache's key: the device's name, torch's version and the threads (a CPU's speed depends on them)."""
+    """The cache's key: the device's name, torch's version, the threads (a CPU's speed depends on them) and what is
+    measured (``_MEASURES``)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         from autotune._device.probe import probe_memory
 
         name = probe_memory(device).name
-    return f"{device.type}|{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return f"{device.type}|{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|measures {_MEASURES}"
 
 
 def local_device_speed(device: torch.device, *, refresh: bool = False) -> DeviceSpeed:
