@@ -159,7 +159,8 @@ def test_a_cpus_pointwise_math_its_caches_and_fresh_pages() -> None:
 
     def seconds(op: OpWork) -> dict[str, float]:
         work = StepWork(ops=(op,), micro_batch_size=1)
-        parts = step_parts(work, Plan(micro_batch_size=1), device=cpu, batch_size=1, efficiency=dict.fromkeys(BOUNDS, 1))
+        parts = step_parts(work, Plan(micro_batch_size=1), device=cpu, batch_size=1,
+                           efficiency=dict.fromkeys(BOUNDS, 1.0))
         return {b: v for b, v in parts.seconds.items() if v}
 
     # a tanh over a million values in the caches: its math (2 ns a value), not its 8 MiB at 40 GB/s

@@ -15,8 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["DATASHEET_EFFICIENCY", "FRESH_PAGES_FROM", "DeviceSpeed", "KNOWN_DEVICES", "device_type", "matching_device", "mfu_dtype",
-           "peak_flops_for"]
+__all__ = ["DATASHEET_EFFICIENCY", "FRESH_PAGES_FROM", "DeviceSpeed", "KNOWN_DEVICES", "device_type", "matching_device",
+           "mfu_dtype", "peak_flops_for"]
 
 GB, TB = 1e9, 1e12
 

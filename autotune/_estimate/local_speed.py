@@ -1,16 +1,18 @@
-"""This machine's device measured for the step-time model: matrix products per dtype (FLOP/s and a fixed cost each),
-attention at a short and a long sequence (FLOP/s and a fixed cost per head), a large copy (memory bandwidth), a
-training step of tiny modules (the host's cost per operator), and on
-CUDA pinned copies to and from the host (the host link). Measured once per device, torch version and thread count, and kept in a JSON file under the user's cache folder
-(``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``, else ``~/.cache/lightning-autotune``); about a
-second on a CPU.
+"""This machine's device measured for the step-time model, once per device, torch version and thread count, and kept
+in a JSON file under the user's cache folder (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``,
+else ``~/.cache/lightning-autotune``); a few seconds on a CPU.
 
-Each figure is the best of a few repetitions, timed on a CPU by the process's CPU time (over its threads): other
-processes' load on a shared machine does not stretch it, as it stretches the wall clock. A matrix product's rate is taken
-from two sizes: the larger one's FLOP/s is the peak, and what the smaller one took beyond its share of that is a fixed
-cost per product (``DeviceSpeed.matmul_seconds``), which the model adds to each product. A CPU has no interconnect to measure: its collectives
-(gloo) copy through memory, taken at a quarter of its bandwidth. A GPU that is in the table
+What is measured: matrix products per dtype at two sizes (the larger one's FLOP/s is the peak; what the smaller took
+beyond its share of that is a fixed cost per product, ``DeviceSpeed.matmul_seconds``); attention forward and backward
+at a short sequence over many heads and a long one over few (a rate and a fixed cost per head); copies of 64 MiB
+(the memory's bandwidth) and, on a CPU, of 1 to 16 MiB (data that stays in the caches); on a CPU, pointwise kernels
+per value and a 64 MiB tensor written to fresh pages (page faults); a training step of tiny modules (the host's cost
+per operator); on CUDA, pinned copies to and from the host (the host link). A CPU has no interconnect to measure: its
+collectives (gloo) copy through memory, taken at a quarter of its bandwidth. A GPU that is in the table
 (:data:`~autotune._estimate.devices.KNOWN_DEVICES`) keeps its datasheet peaks for MFU.
+
+Each figure is the best of a few repetitions, timed on a CPU by the process's CPU time over its threads: other
+processes' load on a shared machine does not stretch it, as it stretches the wall clock.
 """
 
 from __future__ import annotations
@@ -281,7 +283,8 @@ def _pointwise_seconds(device: torch.device, sync: Callable[[], None]) -> dict[s
         x = (torch.rand(_POINTWISE_VALUES, device=device) + 0.5).to(dtype)  # positive: log's fast path
         calls = {kernel: (lambda op=getattr(aten, kernel): op(x)) for kernel in POINTWISE_MATH
                  if kernel not in ("gelu_backward", "silu_backward", "_softmax", "_log_softmax")}
-        calls.update({"gelu_backward": lambda: aten.gelu_backward(x, x), "silu_backward": lambda: aten.silu_backward(x, x),
+        calls.update({"gelu_backward": lambda: aten.gelu_backward(x, x),
+                      "silu_backward": lambda: aten.silu_backward(x, x),
                       "_softmax": lambda: getattr(aten, "_softmax")(x.view(-1, 1024), -1, False),
                       "_log_softmax": lambda: getattr(aten, "_log_softmax")(x.view(-1, 1024), -1, False),
                       "add": lambda: aten.add(x, x)})

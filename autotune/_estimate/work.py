@@ -1,5 +1,6 @@
 """The work of one traced training step, op by op: FLOPs and bytes moved of every aten operator the estimator's fake
-step dispatches (:mod:`autotune._estimate.trace`), by phase, for the step-time model (:mod:`autotune._estimate.step_time`).
+step dispatches (:mod:`autotune._estimate.trace`), by phase, for the step-time model
+(:mod:`autotune._estimate.step_time`).
 
 An operator's bytes are those of its tensor inputs and outputs (each read or written once; a broadcast input's
 real elements only), its FLOPs torch's formulas (``torch.utils.flop_counter``: matrix products, convolutions,

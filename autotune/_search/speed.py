@@ -117,7 +117,8 @@ def less_work_key(plan: Plan, *, batch_size: int) -> tuple[Any, ...]:
     """A sort key putting first the plan that does less work for the same step, whatever the device: less
     recomputation, fewer offloads, full optimizer state, no compile or FP8, fewer collectives (no sharding, ZeRO-2
     before ZeRO-3), then fewer micro-batches. For choosing among plans whose measurements cannot be told apart
-    (the simplest that is as fast); where keys tie, the predicted speed decides (:meth:`SearchSpeed.seconds_per_sample`).
+    (the simplest that is as fast); where keys tie, the predicted speed decides
+    (:meth:`SearchSpeed.seconds_per_sample`).
 
     Example:
         >>> plans = [Plan(micro_batch_size=8, activation_checkpointing=1.0), Plan(micro_batch_size=4)]
