@@ -83,11 +83,13 @@ def test_the_predicted_best_runs_before_the_seeds_and_each_trial_records_its_pre
                                                             {"micro_batch_size": 16}]) == [
         {"micro_batch_size": 32}, {"micro_batch_size": 8}, {"micro_batch_size": 16}]
     observed: list[tuple[Plan, float]] = []
-    speed = SimpleNamespace(predict=lambda plan: SimpleNamespace(samples_per_second=120.0, bound="launch", error=0.2),
+    speed = SimpleNamespace(predict=lambda plan: SimpleNamespace(samples_per_second=120.0, bound="launch", error=0.2,
+                                                                 calibrated_from=1),
                             observe=lambda plan, rate: observed.append((plan, rate)))
     trial = SimpleNamespace(attrs={}, set_user_attr=lambda k, v: trial.attrs.__setitem__(k, v))
     observe_trial(trial, Plan(micro_batch_size=32), speed, 100.0)  # type: ignore[arg-type]
-    assert trial.attrs == {"predicted_samples_per_second": 120.0, "predicted_bound": "launch", "model_error": 0.2}
+    assert trial.attrs == {"predicted_samples_per_second": 120.0, "predicted_bound": "launch", "calibrated_from": 1,
+                           "model_error": 0.2}
     assert observed == [(Plan(micro_batch_size=32), 100.0)]
     observe_trial(trial, Plan(micro_batch_size=16), speed, None)  # out of memory: nothing to calibrate with
     assert len(observed) == 1

@@ -8,8 +8,8 @@ can say: this target runs at ``s`` times the prediction), then lets each bound d
 tell bounds apart: least squares on the relative errors, with a pull of weight :data:`PULL` towards the common scale
 (so a bound no trial exercised keeps the prior's proportion to the others). Each efficiency stays within a factor of
 :data:`LIMIT` of the prior's scaled value. The error reported is the median, over the measured trials, of each one's
-relative error when predicted from the others (the first trial's from the prior): what the next prediction may be
-off by.
+relative error in samples/s when predicted from the others (the first trial's from the prior): what the next
+prediction may be off by.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Calibration:
         return dict(self._efficiency)
 
     def error(self) -> float | None:
-        """The median relative error of each measured trial predicted from the others (the first from the prior);
-        None before any trial."""
+        """The median relative error in samples/s (``|predicted / measured - 1|``) of each measured trial predicted
+        from the others (the first from the prior); None before any trial."""
         if not self.observations:
             return None
         if self._error is not None:
@@ -116,6 +116,7 @@ class Calibration:
         errors = []
         for i, observation in enumerate(self.observations):
             others = fit_efficiency(self.observations[:i] + self.observations[i + 1:], self.prior)
-            errors.append(abs(observation.parts.total(others) - observation.seconds) / observation.seconds)
+            # in samples/s: predicted over measured throughput, less one (the seconds' ratio the other way round)
+            errors.append(abs(observation.seconds / observation.parts.total(others) - 1))
         self._error = statistics.median(errors)
         return self._error

@@ -46,6 +46,7 @@ def observe_trial(trial: Any, plan: Plan, speed: SearchSpeed, samples_per_second
     if predicted is not None:
         trial.set_user_attr("predicted_samples_per_second", predicted.samples_per_second)
         trial.set_user_attr("predicted_bound", predicted.bound)
+        trial.set_user_attr("calibrated_from", predicted.calibrated_from)
         if predicted.error is not None:
             trial.set_user_attr("model_error", predicted.error)
     if samples_per_second:
@@ -137,6 +138,18 @@ def stop_when_confirmed(runner: Any, *, space: SearchSpace, budget_bytes: int) -
                                      tensor_room=budget_bytes - runner.estimator.baseline)
 
     return StopWhenConfirmed(space=space, speed=runner.speed, best=best, candidates=candidates, key=key)
+
+
+def chosen_prediction(trial: Any, speed: SearchSpeed, plan: Plan) -> dict[str, Any]:
+    """The step-time model's prediction for the chosen plan as its trial recorded it before it ran, with the model's
+    error so far on the target (a tuned file's provenance); empty when it was not predicted."""
+    attrs = trial.user_attrs
+    if not attrs.get("predicted_samples_per_second"):
+        return {}
+    now = speed.predict(plan)
+    return {"samples_per_second": attrs["predicted_samples_per_second"], "bound": attrs.get("predicted_bound"),
+            "device": now.device if now is not None else None, "world_size": speed.devices,
+            "calibrated_from": attrs.get("calibrated_from", 0), "error": speed.error()}
 
 
 def learn_speed(study: Any, speed: SearchSpeed, devices: int) -> None:

@@ -19,7 +19,9 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, over_budget_by, run_of
-from autotune._search.confirm import learn_speed, observe_trial, predicted_best_first, stop_when_confirmed
+from autotune._search.confirm import (
+    chosen_prediction, learn_speed, observe_trial, predicted_best_first, stop_when_confirmed,
+)
 from autotune._search.memory import SearchEstimator, sharded_devices
 from autotune._search.speed import SearchSpeed, guided_trials, ranked_candidates, with_variations
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
@@ -224,7 +226,7 @@ def search(
                 predicted_peak_bytes=predicted if predicted is not None else runner.predict(measured),
                 command=command, produced_by=f"search (study '{name}', trial {best.number})",
                 trainer_settings=best.user_attrs.get("trainer_settings") or {},
-                prediction=runner.speed.prediction_dict(measured),
+                prediction=chosen_prediction(best, runner.speed, measured),
             ),
         )
         plan = _at_largest_samples(plan, runner.estimator.batch_sizes, runner.predict(plan), budget_bytes)

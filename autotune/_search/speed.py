@@ -84,11 +84,6 @@ class SearchSpeed:
             log.warning("autotune: the step-time model cannot predict this search's plans (%s: %s); the first trials "
                         "are ordered without it", type(err).__name__, " ".join(str(err).split())[:200])
 
-    def prediction_dict(self, plan: Plan) -> dict[str, Any]:
-        """``plan``'s prediction for a tuned file's provenance (empty when it cannot be predicted)."""
-        predicted = self.predict(plan)
-        return predicted.as_dict() if predicted is not None else {}
-
     def seconds_per_sample(self, plan: Plan) -> float:
         """Predicted seconds per sample of ``plan`` (over all ranks); ``inf`` when it cannot be predicted."""
         predicted = self.predict(plan)
