@@ -369,7 +369,8 @@ def test_a_cpu_row_near_the_budget_is_settled_by_a_short_run(capsys, target):
     assert main([*args, "--budget", str(budget)]) == 0
     near = json.loads(capsys.readouterr().out)
     settled = [row for row in near if row["measured_peak_bytes"] is not None]
-    assert settled and settled[0]["activation_checkpointing"] == far[0]["activation_checkpointing"]
+    # the row at the budget is among them (rows are ranked by predicted speed, those that fit first)
+    assert any(row["activation_checkpointing"] == far[0]["activation_checkpointing"] for row in settled)
     for row in settled:
         assert row["fits"] == (row["measured_peak_bytes"] <= budget)
         assert abs(row["peak_bytes"] - budget) <= 0.05 * budget
