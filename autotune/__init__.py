@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from autotune._device.probe import MemoryProbe, probe_memory
     from autotune._estimate.capacity import CapacityRow, estimate_capacity
     from autotune._estimate.estimate import Estimate, estimate
+    from autotune._estimate.speed import predict_speed
+    from autotune._estimate.step_time import SpeedPrediction
     from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
     from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
     from autotune._plan.tuned import PlanFileError
@@ -38,6 +40,8 @@ _EXPORTS = {
     "estimate_capacity": "autotune._estimate.capacity",
     "Estimate": "autotune._estimate.estimate",
     "estimate": "autotune._estimate.estimate",
+    "predict_speed": "autotune._estimate.speed",
+    "SpeedPrediction": "autotune._estimate.step_time",
     "PRECISIONS": "autotune._plan.plan",
     "STRATEGIES": "autotune._plan.plan",
     "Plan": "autotune._plan.plan",
@@ -72,6 +76,7 @@ __all__ = [
     "Provenance",
     "SearchResult",
     "SearchSpace",
+    "SpeedPrediction",
     "TrialResult",
     "SpaceError",
     "Target",
@@ -85,6 +90,7 @@ __all__ = [
     "load_space",
     "load_target",
     "measure_plan",
+    "predict_speed",
     "probe_memory",
     "search",
 ]

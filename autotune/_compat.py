@@ -286,6 +286,62 @@ def fake_copy_mode(mode: Any) -> Any:
     return FakeCopyMode(mode)
 
 
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """torch's FLOP formulas by aten op packet (``torch.utils.flop_counter.flop_registry``, what ``FlopCounterMode``
+    counts with; each takes the op's arguments and ``out_val``), with the CPU flash-attention kernels, which it lacks,
+    counted as the CUDA ones (``sdpa_flop_count``, ``sdpa_backward_flop_count``). The registry is not in the module's
+    ``__all__``; if it went away, the step-time model would count no FLOPs (every op memory-bound) and its tests of a
+    known matmul's FLOPs fail. ``FlopCounterMode`` itself is not used: it counts totals per module, not per op."""
+    global _FLOP_FORMULAS
+    if _FLOP_FORMULAS is None:
+        import torch
+        from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+        aten = torch.ops.aten
+
+        def cpu_flash(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+            return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+        def cpu_flash_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+            return int(sdpa_backward_flop_count(grad.shape, query.shape, key.shape, value.shape))
+
+        formulas = dict(flop_registry)
+        for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", cpu_flash),
+                              ("_scaled_dot_product_flash_attention_for_cpu_backward", cpu_flash_backward)):
+            if hasattr(aten, name):
+                formulas[getattr(aten, name)] = formula
+        _FLOP_FORMULAS = formulas
+    return _FLOP_FORMULAS
+
+
+_FLOP_FORMULAS: dict[Any, Callable[..., int]] | None = None
+
+
+def operator_recorder(record: Callable[[Any, Any, Any, Any], None]) -> Any:
+    """A dispatch mode calling ``record(func, args, kwargs, out)`` for each aten operator run under it
+    (``torch.utils._python_dispatch.TorchDispatchMode``, the public base class of torch's own modes, in a private
+    module). If it moved, measuring this machine's cost per operator would fail."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            record(func, args, kwargs, out)
+            return out
+
+    return Recorder()
+
+
+def attention_flops(query_shape: Any, key_shape: Any, value_shape: Any) -> tuple[int, int]:
+    """FLOPs of scaled dot-product attention's forward and backward for these shapes, as torch counts them
+    (``torch.utils.flop_counter.sdpa_flop_count`` and ``sdpa_backward_flop_count``, not in the module's ``__all__``).
+    If they went away, measuring this machine's attention rate would fail."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    return (int(sdpa_flop_count(query_shape, key_shape, value_shape)),
+            int(sdpa_backward_flop_count(query_shape, query_shape, key_shape, value_shape)))
+
+
 def mem_ref_types() -> Any:
     """The categories ``MemTracker`` sorts memory into (``torch.distributed._tools.mem_tracker._MemRefType``: PARAM,
     BUFFER, GRAD, ACT, TEMP, OPT, OTH). If they were renamed, the estimate's breakdown would fail to build."""
@@ -582,6 +638,14 @@ def trial_id(trial: Any) -> int:
     per study). Public ``study.tell(number, state=FAIL)`` is not used: it would also run the sampler's
     ``after_trial`` for a trial this worker did not run. If it went away, dead-worker recovery would fail."""
     return int(trial._trial_id)
+
+
+def enqueued_params(trial: Any) -> dict[str, Any]:
+    """The parameters a waiting trial was enqueued with (its ``system_attrs["fixed_params"]``, where
+    ``Study.enqueue_trial`` keeps them; a waiting trial's ``params`` are empty until it runs). If Optuna kept them
+    elsewhere, a search would no longer see which queued plans its step-time model has ruled out, and would not stop
+    early while any is queued."""
+    return dict(trial.system_attrs.get("fixed_params") or {})
 
 
 def journal_file_path(storage: Any) -> str | None:

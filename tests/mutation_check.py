@@ -138,6 +138,27 @@ class Assign:
 
 
 @dataclass(frozen=True)
+class Drop:
+    """Every augmented assignment to ``target`` (``target += ...``, its source as ``ast.unparse`` writes it) is
+    dropped."""
+
+    target: str
+
+    def apply(self, node: ast.AST) -> int:
+        count = 0
+        for parent in ast.walk(node):
+            for field in ("body", "orelse", "finalbody"):
+                statements = getattr(parent, field, None)
+                if not isinstance(statements, list):
+                    continue
+                for i, statement in enumerate(statements):
+                    if isinstance(statement, ast.AugAssign) and ast.unparse(statement.target) == self.target:
+                        statements[i] = ast.Pass()
+                        count += 1
+        return count
+
+
+@dataclass(frozen=True)
 class Keyword:
     """The keyword argument ``name`` of every call is ``expr``."""
 
@@ -199,7 +220,7 @@ class Append:
         return 1
 
 
-Change = Skip | Calls | FalseTest | Assign | Keyword | Returns | Prepend | Append
+Change = Skip | Calls | FalseTest | Assign | Drop | Keyword | Returns | Prepend | Append
 
 
 @dataclass(frozen=True)
@@ -348,7 +369,7 @@ MUTATIONS = (
              "autotune/_cli/main.py", "", Assign("SETTLE_BAND", "-1.0"),
              ("tests/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
     Mutation("search-estimates-the-largest-batch", "auto micro-batches hold for the longest batch of varying lengths",
-             "autotune/_search/rank.py", "SearchEstimator._call", Calls("longest_batch",
+             "autotune/_search/memory.py", "SearchEstimator._call", Calls("longest_batch",
                                                                           "longest_batch(self.target, batches=1)"),
              ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
     Mutation("trials-run-the-longest-batch", "a trial's peak covers the longest batch the search read",
@@ -413,7 +434,7 @@ MUTATIONS = (
               "tests/test_search_auto.py::test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_"
               "and_halves_from_there")),
     Mutation("cuda-trials-calibrate", "on CUDA a measured trial corrects its shape's 'auto' (context, fragmentation)",
-             "autotune/_search/rank.py", "SearchEstimator.calibrate",
+             "autotune/_search/memory.py", "SearchEstimator.calibrate",
              Prepend("if self.device.type == 'cuda':\n    return False"),
              ("tests/test_search_choice.py::"
               "test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_its_trials",)),
@@ -442,7 +463,7 @@ MUTATIONS = (
              FalseTest("self.policy.memory.limit_bytes"),
              (SHAPES + "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
     Mutation("cuda-context-measured", "on CUDA a shape not measured starts from the context a trial measured",
-             "autotune/_search/rank.py", "SearchEstimator.measured_context", FalseTest("self.baseline"),
+             "autotune/_search/memory.py", "SearchEstimator.measured_context", FalseTest("self.baseline"),
              ("tests/test_search_context.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",
@@ -487,6 +508,19 @@ MUTATIONS = (
     Mutation("dash-values-attached", "`--budget -1GiB` gets our budget message, not argparse's",
              "autotune/_cli/main.py", "main", Calls("_attach_dash_values", "argv"),
              ("tests/test_cli.py::test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses",)),
+    Mutation("step-work-recompute-phase", "the step-time model counts checkpointing's recomputation apart",
+             "autotune/_estimate/work.py", "WorkCounter.record", Assign("phase", "self.phase"),
+             ("tests/test_step_time.py::test_the_flops_of_a_known_step_are_counted_exactly_by_phase",)),
+    Mutation("step-time-host-link", "offloaded activations cost host-link time, more over a slower link",
+             "autotune/_estimate/step_time.py", "_Accumulator.add", Drop("self.parts['host link']"),
+             ("tests/test_step_time.py::test_what_if_rankings_whose_order_is_certain",)),
+    Mutation("calibration-per-bound", "trials of known efficiencies give them back, bound by bound",
+             "autotune/_estimate/calibration.py", "fit_efficiency", Assign("u", "np.ones(len(used))"),
+             ("tests/test_step_time_calibration.py::test_trials_of_known_efficiencies_give_them_back",)),
+    Mutation("search-stops-within-the-models-error", "the search stops only when no plan can win by the model's error",
+             "autotune/_search/confirm.py", "StopWhenConfirmed.__call__", Assign("margin", "1"),
+             ("tests/test_search_confirm.py::"
+              "test_the_search_stops_once_no_unmeasured_plan_can_beat_the_best_by_the_models_error",)),
 )
 
 

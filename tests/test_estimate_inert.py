@@ -14,7 +14,7 @@ from torch import nn
 from autotune import Plan, estimate
 from autotune._plan.space import load_space
 from autotune._search.inert import without_inert
-from autotune._search.rank import SearchEstimator
+from autotune._search.memory import SearchEstimator
 from autotune._target.target import load_target
 from tests.fixtures.by_hand_target import ByHand
 

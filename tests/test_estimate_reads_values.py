@@ -263,7 +263,7 @@ def test_the_cli_traces_as_asked_and_says_what_the_estimate_did(tmp_path, capsys
 
 
 def test_the_search_estimates_such_a_target_and_records_how(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.memory import SearchEstimator
     from autotune._target.target import load_target
 
     path = tmp_path / "demo_transformer.py"

@@ -119,3 +119,19 @@ def test_a_cuda_study_shows_each_trials_tensor_peak_beside_the_estimators() -> N
 def test_a_cpu_study_has_no_tensor_columns() -> None:
     table = trial_table(_study(cuda=False))
     assert "tensors" not in table and "11.00 GiB      5.00 GiB yes" in table
+
+
+def test_the_table_says_how_far_the_step_time_model_was_from_each_trial_and_that_it_stopped_the_search() -> None:
+    study = optuna.create_study(study_name="r", direction="maximize")
+    micro = optuna.distributions.CategoricalDistribution([8, 16, 32])
+    for m, measured, predicted in ((32, 100.0, 80.0), (16, 90.0, 99.0), (8, 50.0, 55.0)):
+        study.add_trial(optuna.trial.create_trial(
+            params={"micro_batch_size": m}, distributions={"micro_batch_size": micro}, value=measured,
+            user_attrs={"plan": f"32-true, micro {m}", "status": "ok", "source": "measured",
+                        "samples_per_second": measured, "predicted_samples_per_second": predicted}))
+    study.set_user_attr("stopped_by_model", {"best_samples_per_second": 100.0, "model_error": 0.1, "measured": 3})
+    lines = trial_table(study).splitlines()
+    assert lines[-2] == ("step-time model: each measured trial predicted before it ran, off by 10% to 20% (median 10%) "
+                         "over 3 trials")
+    assert lines[-1] == ("the search stopped early: no plan left unmeasured was predicted to beat 100.0 samples/s by "
+                         "the model's error")

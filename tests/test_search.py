@@ -56,8 +56,11 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     assert len([t for t in finished if t.user_attrs["source"] != "cache" and t not in rungs + twins]) == 3
     assert [t.user_attrs["plan"] for t in rungs] in ([], ["32-true, micro 32, workers 0"])  # it fits 3GiB
     assert len(twins) <= 1
-    first = finished[0].params  # the cpu space's first seed
-    assert (first["precision"], first["micro_batch_size"], first["activation_checkpointing"]) == ("32-true", "auto", 0.0)
+    # the predicted best first (the largest micro-batch, no recomputation), then the cpu space's seeds
+    first = finished[0]
+    assert (first.params["micro_batch_size"], first.params["activation_checkpointing"]) == ("auto", 0.0)
+    assert first.user_attrs["predicted_samples_per_second"] > 0 and first.user_attrs["predicted_bound"]
+    assert plan.provenance.prediction["samples_per_second"] > 0
 
     import lightning as L
 
@@ -140,7 +143,8 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
                             micro_batch_size=["auto", 32])
     result = search(device="cpu", target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
                     storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
-    whole, auto = result.study.get_trials()[:2]
+    by_micro = {t.params["micro_batch_size"]: t for t in result.study.get_trials()[:2]}
+    whole, auto = by_micro[32], by_micro["auto"]  # the predicted best (auto: 32 is predicted not to fit) ran first
     assert whole.state == TrialState.COMPLETE and whole.user_attrs["source"] == "estimate"  # never ran
     assert whole.user_attrs["status"] == "oom" and whole.user_attrs["predicted_peak_bytes"] > 1.5 * 1.5 * 2**30
     # the prediction in the peak's measure is the estimator's tensors plus the process baseline (on CPU, measured)
@@ -156,7 +160,10 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
 
 
 @pytest.mark.slow
-def test_a_clearly_slower_plan_stops_early(tmp_path: Path) -> None:
+def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import autotune._search.confirm
+
+    monkeypatch.setattr(autotune._search.confirm, "MIN_MEASURED", 10)  # the step-time model would skip micro 8
     seeds = ({"micro_batch_size": 32}, {"micro_batch_size": 16}, {"micro_batch_size": 8})
     space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[32, 16, 8])
     result = search(target=f"{FIXTURE}:make_fixed_cost", budget="2GiB", space=space, trials=3, steps=10, warmup=1,

@@ -18,7 +18,7 @@ from autotune._plan.space import Dimension, SearchSpace
 from autotune._search import meter as meter_module
 from autotune._search.choose import CHOSEN, REMEASURED, choose, combine, figures
 from autotune._search.meter import TrialSpec, relative_half_width, throughput, warmed_up
-from autotune._search.rank import modelled_dimensions, predicted_cost, ranked_candidates, with_variations
+from autotune._search.speed import modelled_dimensions, ranked_candidates, with_variations
 
 # ------------------------------------------------------------------------------------------------ a trial's timing
 
@@ -255,29 +255,20 @@ def test_no_feasible_plan_chooses_nothing() -> None:
 # ------------------------------------------------------------------------------------------------ ranking
 
 
-def test_the_cost_model_orders_recomputation_micro_batch_offload_and_cuda_precision() -> None:
-    def cost(device: str = "cuda", **plan: Any) -> float:
-        return predicted_cost(Plan(**plan), batch_size=32, device_type=device)
-
-    assert cost(micro_batch_size=32) < cost(micro_batch_size=8) < cost(micro_batch_size=1)
-    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, activation_checkpointing=0.5) < \
-        cost(micro_batch_size=8, activation_checkpointing=1.0)
-    assert cost(micro_batch_size=8, precision="bf16-mixed") < cost(micro_batch_size=8)
-    assert cost("cpu", micro_batch_size=8, precision="bf16-mixed") == cost("cpu", micro_batch_size=8)
-    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, activation_offload=True)
-    assert cost(micro_batch_size=8) < cost(micro_batch_size=8, optimizer_offload=True)
-
-
 def _space(*dims: Dimension) -> SearchSpace:
     return SearchSpace("t", "", dims)
 
 
-def test_modelled_dimensions_leave_cpu_precision_and_unmodelled_parents_to_the_sampler() -> None:
+def test_modelled_dimensions_leave_compile_and_what_depends_on_it_to_the_sampler() -> None:
     space = _space(Dimension("precision", ("32-true", "bf16-mixed")), Dimension("micro_batch_size", (8, 16)),
-                   Dimension("compile", (False, True)),
+                   Dimension("compile", (False, True)), Dimension("num_workers", (0, 1)),
                    Dimension("activation_checkpointing", (0.0, 1.0), when={"compile": (False,)}))
-    assert modelled_dimensions(space, "cuda") == ["precision", "micro_batch_size"]
-    assert modelled_dimensions(space, "cpu") == ["micro_batch_size"]
+    assert modelled_dimensions(space) == ["precision", "micro_batch_size"]
+
+
+def _passes_and_recompute(plan: Plan) -> float:
+    """A stand-in cost: seconds per sample growing with the passes and the recomputed share."""
+    return (1 + plan.activation_checkpointing / 3) * (1 + -(-32 // plan.micro_batch_size) / 32)
 
 
 def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_they_need() -> None:
@@ -290,7 +281,7 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
         estimated.append(plan.describe())
         return plan.micro_batch_size * (1 if plan.activation_checkpointing else 2)  # "bytes"
 
-    got = ranked_candidates(space, limit=3, batch_size=32, device_type="cpu", devices=1,
+    got = ranked_candidates(space, limit=3, batch_size=32, devices=1, cost=_passes_and_recompute,
                             resolve_micro=lambda params: 12, peak=peak, budget_bytes=32)
     # 32 without checkpointing is over the budget, 16 x 2 = 32 fits: so do auto (12) and 8, without an estimate
     assert got == [{"micro_batch_size": 16, "activation_checkpointing": 0.0},
@@ -299,8 +290,9 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
     assert estimated == ["32-true, micro 32", "32-true, micro 16"]
     # on CPU, a process baseline (here 3200 of a budget of 3232) scatters by 1% between runs: 32 "bytes" of slack, so
     # micro-batch 32 (64 over the baseline, 32 over the budget) is still tried
-    cpu = ranked_candidates(space, limit=1, batch_size=32, device_type="cpu", devices=1, resolve_micro=lambda p: 12,
-                            peak=lambda plan: 3200 + peak(plan), budget_bytes=3232, tensor_room=32)
+    cpu = ranked_candidates(space, limit=1, batch_size=32, devices=1, cost=_passes_and_recompute,
+                            resolve_micro=lambda p: 12, peak=lambda plan: 3200 + peak(plan), budget_bytes=3232,
+                            tensor_room=32)
     assert cpu == [{"micro_batch_size": 32, "activation_checkpointing": 0.0}]
     assert with_variations(space, got) == [
         {"micro_batch_size": 16, "activation_checkpointing": 0.0, "num_workers": 0},
@@ -310,7 +302,7 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
 
 
 def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.memory import SearchEstimator
 
     estimator = SearchEstimator(None, torch.device("cpu"))
     tensors = {Plan(micro_batch_size=8).key(): 10, Plan(micro_batch_size=8, activation_checkpointing=1.0).key(): 4}
@@ -336,7 +328,7 @@ def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.Monke
 def test_auto_finds_the_largest_even_micro_batch_that_fits_with_few_traces(batch_size: int, per_sample: int,
                                                                            kink: int) -> None:
     from autotune._estimate.result import largest_fitting
-    from autotune._search.rank import even_micro_batches
+    from autotune._search.memory import even_micro_batches
 
     traced: list[int] = []
 
@@ -358,7 +350,7 @@ def test_a_smaller_micro_batch_of_a_traced_shape_is_known_to_fit_and_calibrates_
     from pathlib import Path
 
     from autotune import load_target
-    from autotune._search.rank import SearchEstimator
+    from autotune._search.memory import SearchEstimator
 
     gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
     estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cpu"))
@@ -393,7 +385,7 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
 
     from autotune import load_target
     from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
-    from autotune._search.rank import SearchEstimator, even_micro_batches
+    from autotune._search.memory import SearchEstimator, even_micro_batches
 
     gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
     # what-if on this machine: the trial's peak is the allocator's reserve plus the context, the estimate's tensors

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune import Plan, load_target
-from autotune._search.rank import SearchEstimator
+from autotune._search.memory import SearchEstimator
 
 GPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 MIB = 2**20
@@ -47,7 +47,9 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
     import autotune._search.search as search_module
     from autotune._device.budget import Budget
     from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
+    from autotune._estimate.devices import KNOWN_DEVICES
     from autotune._search.meter import TrialResult
+    from autotune._search.speed import SearchSpeed
 
     def objective() -> Any:  # a CUDA search's objective, what-if on this machine, its trials played
         runner = object.__new__(search_module._Objective)
@@ -56,6 +58,7 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
         runner.device, runner.budget, runner.budget_bytes = torch.device("cuda"), Budget.parse("2GiB"), 2 * 2**30
         runner.space = SimpleNamespace(suggest=lambda trial: {"micro_batch_size": 8})
         runner.estimator = SearchEstimator(load_target(f"{GPT}:make"), torch.device("cuda"))
+        runner.speed = SearchSpeed(runner.estimator, batch_size=32, devices=1, speed=KNOWN_DEVICES["h200"])
         return runner
 
     study = optuna.create_study(direction="maximize")
@@ -66,6 +69,9 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
     study.optimize(runner, n_trials=1)
     assert runner.estimator.baseline == 828 * MIB  # measured by the trial
     assert study.trials[0].user_attrs["context_bytes"] == 828 * MIB
+    # the trial recorded what the step-time model predicted, then calibrated it (a what-if H200 here)
+    assert study.trials[0].user_attrs["predicted_samples_per_second"] > 0
+    assert runner.speed.model.calibration.trials == 1
     resumed = objective()
     resumed.learn_context(study)
     assert resumed.estimator.baseline == 828 * MIB

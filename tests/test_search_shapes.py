@@ -10,7 +10,7 @@ import torch
 
 from autotune import Plan, estimate
 from autotune._estimate.estimate import BatchSizes, longest_batch
-from autotune._search.rank import SearchEstimator
+from autotune._search.memory import SearchEstimator
 from autotune._search.search import _shape_notes
 from autotune._target.target import load_target
 

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from autotune._version import __version__
 from autotune._cli import search as _cli_search
+from autotune._cli import speed as _cli_speed
+from autotune._cli.options import int_option as _int_option
+from autotune._cli.options import size_option as _size_option
 from autotune._device.budget import format_bytes
 
 if TYPE_CHECKING:
@@ -109,9 +112,10 @@ def _build_estimate(parser: argparse.ArgumentParser) -> None:
                         "and labels; default: the batch's own): for batches whose length varies")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or N (default: cuda when there is one); "
                         "cuda without CUDA on this machine estimates what-if, with CUDA's rules")
+    _cli_speed.add_device_type(parser)
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
-                        help="the memory of each device (80GiB): for a device this machine does not have, and for "
-                        "--max-world-size")
+                        help="the memory of each device (80GiB; default with --device-type: the table's): for a "
+                        "device this machine does not have, and for --max-world-size")
     parser.add_argument("--max-world-size", default=None, metavar="N",
                         help="capacity mode: the smallest number of devices (1, 2, 4, ... up to N) and the plan that "
                         "fits the model, with its largest micro-batch")
@@ -134,7 +138,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     from autotune._device.budget import Budget
 
     # bad input fails before the target is built, and before torch is imported
-    memory = _size_option("--device-memory", args.device_memory)
+    device, device_speed, memory = _cli_speed.device_options(
+        args.device, args.device_type, _size_option("--device-memory", args.device_memory))
     if args.budget is None and memory is None:
         raise ValueError("give --budget (20GiB, 0.8, auto) or --device-memory (80GiB)")
     budget = Budget.parse(args.budget) if args.budget is not None else None
@@ -158,7 +163,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.precision or args.optimizer_state or not plans:
         plans += default_plans(precisions=args.precision or None, world_size=world or 1,
                                optimizer_states=args.optimizer_state or ("full",))
-    device: str | int | None = int(args.device) if args.device and args.device.isdigit() else args.device
     resolved, what_if = estimate_device(device)
     budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=memory)
     target = load_target(args.target, config=args.config)
@@ -167,22 +171,28 @@ def _run_estimate(args: argparse.Namespace) -> int:
                              usable=budget_bytes, most=most, seq_len=seq_len)
     baseline, measured = 0, False
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
-        from autotune._search.rank import SearchEstimator
+        from autotune._search.memory import SearchEstimator
 
         estimator = SearchEstimator(target, resolved, trace=args.trace,
                                     unestimated="the process baseline is not measured (this process's memory stands "
                                     "in for it)")
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
         baseline, measured = estimator.baseline, estimator.calibrated
+    if device_speed is None and not what_if:  # this machine's device, measured once
+        from autotune._estimate.local_speed import local_device_speed
+
+        device_speed = local_device_speed(resolved)
     rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
                            micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len,
-                           trace=args.trace)
+                           trace=args.trace, device_speed=device_speed)
     if measured:  # on CPU, a row within the estimate's error of the budget is settled by a short run of it
         spec = {"target": args.target or args.config, "config": args.config if args.target else None}
         rows = [_settled(row, **spec) if abs(row.peak_bytes - row.budget_bytes) <= SETTLE_BAND * row.budget_bytes
                 else row for row in rows]
+    rows = _cli_speed.ranked(rows)
     print(json.dumps([row.as_dict() for row in rows], indent=2) if args.json
-          else format_estimate_table(rows, baseline_measured=measured))
+          else format_estimate_table(rows, baseline_measured=measured,
+                                     speed_notes=_cli_speed.speed_notes(rows, device_speed, what_if=what_if)))
     return _EXIT_OK
 
 
@@ -242,41 +252,21 @@ def _settled(row: Any, *, target: str, config: str | None) -> Any:
     return dataclasses.replace(row, measured_peak_bytes=result.peak_bytes)
 
 
-def _int_option(name: str, value: str | None, accepted: str) -> int | None:
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{name} must be {accepted}; got {value!r}")
-    return int(value)
-
-
-def _size_option(name: str, value: str | None) -> int | None:
-    from autotune._device.budget import Budget
-
-    if value is None:
-        return None
-    try:
-        parsed = Budget.parse(value)
-    except ValueError:
-        parsed = None
-    if parsed is None or parsed.kind != "bytes":
-        raise ValueError(f"{name} must be a size like 80GiB, 24GB or a number of bytes; got {value!r}")
-    return int(parsed.value)  # type: ignore[arg-type]
-
-
 #: How each row was traced (``Estimate.method``), in the table: no data, or real tensors on the host (notes say more).
 _TRACED = {"fake": "no data", "real": "real", "extrapolated": "real, extrapolated"}
 
 
-def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True) -> str:
-    """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro;
-    ``baseline_measured``: whether the rows' process baseline (CPU) was measured, or is this process's memory.
+def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True,
+                          speed_notes: Sequence[str] = ()) -> str:
+    """The rows of :func:`autotune._estimate.estimate_target` as a table: plan, micro-batch, peak, fit, max micro,
+    and where rows have a predicted speed, samples/s, MFU and bound; ``baseline_measured``: whether the rows' process
+    baseline (CPU) was measured, or is this process's memory; ``speed_notes``: what the speed columns are.
 
     Example:
         >>> print(format_estimate_table(rows))  # doctest: +SKIP
         device cpu, batch 32, budget 4.00 GiB
-        plan                 micro  predicted peak  fits  max micro  state/param  traced
-        32-true                 32       12.02 MiB  yes          32     16.00 B  no data
+        plan     micro  predicted peak  fits  max micro  state/param  traced   samples/s  MFU  bound
+        32-true     32       12.02 MiB  yes          32     16.00 B  no data    1,012.3   7%  compute
     """
     if not rows:
         return "no plans to estimate"
@@ -284,17 +274,21 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
     ranks = f", per rank of {first.estimate.world_size}" if first.estimate.world_size > 1 else ""
     header = (f"device {first.estimate.device}, batch {first.batch_size}, budget {format_bytes(first.budget_bytes)}"
               f"{ranks}")
-    table = [("plan", "micro", "predicted peak", "fits", "max micro", "state/param", "traced")]
+    speed = any(row.speed is not None for row in rows)
+    table = [("plan", "micro", "predicted peak", "fits", "max micro", "state/param", "traced")
+             + (("samples/s", "MFU", "bound") if speed else ())]
     for row in rows:
         label = ", ".join(p for p in row.estimate.plan.describe().split(", ") if not p.startswith("micro "))
         best = row.max_micro_batch_size
         verdict = ("yes" if row.fits else "no") + ("*" if row.measured_peak_bytes is not None else "")
         table.append((label, str(row.estimate.micro_batch_size), format_bytes(row.peak_bytes),
                       verdict, "none fits" if best is None else str(best),
-                      f"{row.state_bytes_per_parameter:.2f} B", _TRACED[row.estimate.method]))
-    widths = [max(len(line[i]) for line in table) for i in range(7)]
-    lines = [f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]:<{widths[3]}}  "
-             f"{line[4]:>{widths[4]}}  {line[5]:>{widths[5]}}  {line[6]:<{widths[6]}}".rstrip() for line in table]
+                      f"{row.state_bytes_per_parameter:.2f} B", _TRACED[row.estimate.method])
+                     + (_cli_speed.speed_cells(row) if speed else ()))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    left = {0, 3, 6, 9}  # plan, fits, traced, bound
+    lines = ["  ".join(f"{cell:<{w}}" if i in left else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(line, widths)))
+             .rstrip() for line in table]
     notes = dict.fromkeys(note for row in rows for note in row.estimate.notes)  # each once, in order
     for row in rows:
         if row.measured_peak_bytes is not None:
@@ -309,6 +303,7 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
         notes[f"the peaks include this process's memory now, {format_bytes(first.baseline_bytes)}, in place of the "
               "process baseline, which could not be measured (the short training run or its estimate failed): on CPU "
               "the budget is the process's resident set net of file pages"] = None
+    notes.update(dict.fromkeys(speed_notes))
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])
 
 
@@ -326,6 +321,13 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
         help="predict the peak memory of a training step for plans, and the largest micro-batch that fits a budget",
         build=_build_estimate,
         action=_run_estimate,
+    ),
+    _Subcommand(
+        name="suggest",
+        help="write a tuned file from the models alone (no trial): the plan predicted fastest of those predicted to "
+        "fit, for this machine or a --device-type",
+        build=_cli_speed.build_suggest,
+        action=_cli_speed.run_suggest,
     ),
     _Subcommand(
         name="search",

@@ -23,6 +23,9 @@ from autotune._plan.plan import Plan
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
+    from autotune._estimate.devices import DeviceSpeed
+    from autotune._estimate.step_time import SpeedPrediction
+
     from autotune._target.target import Target
 
 __all__ = ["BatchSizes", "Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_device",
@@ -47,6 +50,7 @@ class TargetEstimate:
     parameter_count: int = 0
     baseline_bytes: int = 0
     measured_peak_bytes: int | None = None  # a short run's peak where one settled the fit (``autotune estimate``)
+    speed: SpeedPrediction | None = None  # at the row's micro-batch if it fits, else at the largest that does
 
     @property
     def peak_bytes(self) -> int:
@@ -79,7 +83,9 @@ class TargetEstimate:
                 "gathered_bytes": self.estimate.gathered_bytes, "context_bytes": self.estimate.context_bytes,
                 "state_bytes_per_parameter": self.state_bytes_per_parameter,
                 "method": self.estimate.method, "measured_peak_bytes": self.measured_peak_bytes,
-                "notes": list(self.estimate.notes)}
+                "notes": list(self.estimate.notes),
+                "speed": None if self.speed is None else {"micro_batch_size": self.speed.plan.micro_batch_size,
+                                                          **self.speed.as_dict()}}
 
 
 def estimate(
@@ -167,6 +173,7 @@ def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
     baseline_bytes: int = 0, seq_len: int | None = None, trace: str = "auto",
+    device_speed: DeviceSpeed | None = None,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
@@ -176,8 +183,9 @@ def estimate_target(
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
     compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). ``seq_len``: estimate
     the batch at this sequence length (its token ids, masks and labels cut or filled, see ``with_sequence_length``;
-    None: the batch's own). ``trace``: how each step is traced, as for :func:`estimate`. Returns one row per plan, in
-    order.
+    None: the batch's own). ``trace``: how each step is traced, as for :func:`estimate`. ``device_speed``: also
+    predict each row's speed on that device (at the row's micro-batch where it fits, else at the largest that does;
+    none where nothing fits), uncalibrated. Returns one row per plan, in order.
 
     Raises:
         ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
@@ -193,9 +201,17 @@ def estimate_target(
                         world_size=world_size, trace=trace)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
         room = budget_bytes - baseline_bytes
+        largest = traces.largest_fit(room) if room > 0 else None
+        fast = at_micro.micro_batch_size if at_micro.predicted_peak_bytes <= room else largest
+        speed = None
+        if device_speed is not None and fast is not None:
+            from autotune._estimate.speed import SpeedModel
+
+            speed = SpeedModel(device_speed, batch_size=traces.size).predict(
+                traces.work(fast), plan.replace(micro_batch_size=fast), world_size=traces.world_size)
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
-                                   max_micro_batch_size=traces.largest_fit(room) if room > 0 else None,
-                                   parameter_count=count, baseline_bytes=baseline_bytes))
+                                   max_micro_batch_size=largest, parameter_count=count, baseline_bytes=baseline_bytes,
+                                   speed=speed))
     return rows
 
 

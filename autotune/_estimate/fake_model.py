@@ -119,7 +119,7 @@ class FakeStep:
             yield
 
     def step(self, inputs: Any, *, zero_grad: bool, before_backward: Callable[[], Any] = lambda: None,
-             warm_up: bool = False, fill: bool = False) -> None:
+             before_update: Callable[[], Any] = lambda: None, warm_up: bool = False, fill: bool = False) -> None:
         """Forward (the last gradients alive), ``zero_grad``, backward, update (``fill``: of every parameter, those
         this step's data left without a gradient given zeros; real tensors only)."""
         with _offload(self.plan, self.what_if, self.real):
@@ -139,6 +139,7 @@ class FakeStep:
         del loss
         if (warm_up or fill) and self.real:  # every parameter updated, as the fake path has it
             self.fill_grads()
+        before_update()
         for opt in self.optimizers:
             opt.step()
 

@@ -24,6 +24,7 @@ from autotune._compat import (
 )
 from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.sharding import shard_numel
+from autotune._estimate.work import WorkCounter
 from autotune._estimate.workspace import Workspace
 from autotune._runtime.offload import hyperparameters, is_offloaded, update_constructor
 from autotune._runtime.optim_state import replaces, state_tensor_bytes
@@ -33,25 +34,28 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
-def step_tracker(*, cuda_rules: bool = False, work_on: str | None = None) -> Any:
+def step_tracker(*, cuda_rules: bool = False, work_on: str | None = None, counter: WorkCounter | None = None) -> Any:
     """torch's ``MemTracker``, keeping the step's peak only (each module's costs a loop per op), and counting the
     work buffers kernels allocate inside one call (:mod:`autotune._estimate.workspace`; see its ``workspace``).
     ``cuda_rules``: a CPU trace of a CUDA step (every storage rounded as CUDA's allocator does, no CPU work buffers).
     ``work_on``: a device type whose bytes alive after each op are kept (the tracker's ``timelines``), with the
     step's FLOPs (``flops``, of the ops torch's flop counter knows) and the bytes it allocated (``allocated_bytes``):
-    the real-tensor path's measure of a step's work and its moments.
+    the real-tensor path's measure of a step's work and its moments. ``counter``: also records each operator's FLOPs
+    and bytes (the step-time model's work).
     """
     workspace = Workspace(cpu_kernels=not cuda_rules)
     count = [0]
 
     def extra(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-        formula = flop_registry.get(getattr(func, "overloadpacket", None))
-        if formula is not None:
-            count[0] += int(formula(*args, **(kwargs or {}), out_val=out))
+        if counter is not None:
+            counter.record(func, args, kwargs, out)
+        if work_on is not None:
+            formula = flop_registry.get(getattr(func, "overloadpacket", None))
+            if formula is not None:
+                count[0] += int(formula(*args, **(kwargs or {}), out_val=out))
         return workspace.bytes_of(func, args, kwargs, out)
 
-    tracker = peak_memory_tracker(extra if work_on is not None else workspace.bytes_of,
-                                  round_cuda if cuda_rules else None, timeline_device=work_on)
+    tracker = peak_memory_tracker(extra, round_cuda if cuda_rules else None, timeline_device=work_on)
     tracker.workspace = workspace
     tracker.flop_count = count
     return tracker

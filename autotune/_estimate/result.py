@@ -164,6 +164,7 @@ class Traced:
     master_dtype: torch.dtype | None
     flops: int = 0  # real tensors: the step's work (FLOPs of the ops torch counts, bytes allocated)
     allocated_bytes: int = 0
+    work: Any = None  # the step's FLOPs and bytes, op by op (autotune._estimate.work.StepWork)
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
         """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging

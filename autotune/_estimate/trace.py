@@ -46,6 +46,7 @@ from autotune._estimate.real_path import REAL_NOTE, extrapolated
 from autotune._estimate.result import Estimate, Phase, Traced, estimate_device, largest_fitting
 from autotune._plan.plan import Plan
 from autotune._runtime.batch import batch_size_of, slice_batch
+from autotune._estimate.work import WorkCounter
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -199,6 +200,12 @@ class Traces:
                 f"than {real_path.REAL_HOST_SHARE:.0%} of its {format_bytes(total)}; estimate the same architecture "
                 "at a size the host holds (fewer layers or a narrower width) and scale the per-layer bytes") from None
 
+    def work(self, micro: int) -> Any:
+        """The step's work at ``micro`` (FLOPs and bytes op by op, :class:`~autotune._estimate.work.StepWork`; on the
+        real-tensor path's line, the larger micro-batch traced's), traced if it was not."""
+        self.at(micro)
+        return self._done[micro].work
+
     def traced(self, micro: int) -> bool:
         """Whether ``micro`` has been traced (its estimate at any world size costs nothing)."""
         return micro in self._done
@@ -245,14 +252,20 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
                 fake.warm = True
             if fake.real:  # the last step's gradients, of every parameter (see fill_grads)
                 fake.fill_grads()
-            tracker = step_tracker(cuda_rules=what_if, work_on=device.type if fake.real else None)
+            counter = WorkCounter(device.type)  # the step-time model's work, op by op
+            tracker = step_tracker(cuda_rules=what_if, work_on=device.type if fake.real else None, counter=counter)
             tracker.track_external(fake.model, *fake.optimizers, *input_tensors)
             before = tracker.get_tracker_snapshot()
             snapshots = []  # each phase's peak: the forward (and zero_grad), then the backward and update
+
+            def backward_starts() -> None:
+                snapshots.append(tracker.next_phase())
+                counter.phase = "backward"
+
             with tracker:  # a small micro-batch standing in for a whole batch updates every parameter, as a large
                 # batch does (routing that leaves experts without tokens in 2 samples leaves none in 32)
                 fake.step(inputs, zero_grad=not accumulate, fill=not accumulate and micro < size,
-                          before_backward=lambda: snapshots.append(tracker.next_phase()))
+                          before_backward=backward_starts, before_update=lambda: setattr(counter, "phase", "update"))
             snapshots.append(tracker.get_tracker_snapshot("peak"))
         except BaseException as error:
             traces.forget_fake_step()  # half a step may have run: the next micro-batch starts from a fresh copy
@@ -286,8 +299,10 @@ def _trace(traces: Traces, micro: int, *, accumulate: bool | None = None) -> Tra
         timeline, ops = (tuple(tracker.timelines[backward]), tuple(tracker.timeline_ops[backward])) if fake.real \
             else ((), ())
         phases.append(Phase(estimate, update_temporaries, bool(backward), timeline, ops))
+    work = counter.work(micro_batch_size=micro, model=fake.model, optimizers=optimizers, offloaded=fake.offloaded,
+                        host_state_bytes=fake.host_bytes)
     return Traced(tuple(phases), grad_bytes, fake.model, optimizers, torch.float32 if fake.gathered_bf16 else None,
-                  flops=tracker.flop_count[0], allocated_bytes=tracker.allocated_bytes)
+                  flops=tracker.flop_count[0], allocated_bytes=tracker.allocated_bytes, work=work)
 
 
 _WHAT_IF_NOTE = ("no CUDA on this machine: estimated what-if, traced on the CPU with CUDA's allocator rounding, "

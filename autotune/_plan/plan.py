@@ -60,6 +60,9 @@ class Provenance:
     command: str | None = None
     produced_by: str | None = None  # "search", "estimate", "hand"
     trainer_settings: dict[str, Any] = field(default_factory=dict)  # the user's Trainer settings the trials ran with
+    # the step-time model's prediction for the plan (samples_per_second, mfu, bound, device, error, ...): all a
+    # suggested plan has (``autotune suggest``: nothing measured), beside the measured figures of a searched one
+    prediction: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def here(cls, **fields: Any) -> Provenance:

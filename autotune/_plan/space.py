@@ -86,14 +86,17 @@ class SearchSpace:
         """The number of distinct points (conditional dimensions counted only where active)."""
         return len(self.points())
 
-    def for_device(self, device: torch.device, *, batch_size: int) -> SearchSpace:
-        """The space without the choices this device cannot run, each drop explained in ``notes``."""
+    def for_device(self, device: torch.device, *, batch_size: int, capability: tuple[int, int] | None = None,
+                   gpus: int | None = None) -> SearchSpace:
+        """The space without the choices this device cannot run, each drop explained in ``notes``. ``capability``
+        and ``gpus``: a CUDA device's compute capability and count where it is not on this machine (what-if), in
+        place of asking CUDA."""
         notes = list(self.notes)
         dims = []
         for dim in self.dimensions:
             kept = []
             for choice in dim.choices:
-                reason = _unrunnable(dim.name, choice, device, batch_size)
+                reason = _unrunnable(dim.name, choice, device, batch_size, capability, gpus)
                 if reason:
                     notes.append(f"{dim.name}={choice!r} dropped: {reason}")
                 else:
@@ -111,19 +114,25 @@ class SearchSpace:
         return dataclasses.replace(self, dimensions=tuple(dims), seeds=tuple(seeds), notes=tuple(notes))
 
 
-def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int) -> str | None:
+def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int, capability: tuple[int, int] | None,
+                gpus: int | None) -> str | None:
     cuda = device.type == "cuda"
+
+    def compute_capability() -> tuple[int, int]:
+        return capability if capability is not None else torch.cuda.get_device_capability(device)
+
     if name == "micro_batch_size" and choice != AUTO and choice > batch_size:
         return f"larger than the effective batch {batch_size}"
     if name == "precision":
         if choice == "16-mixed" and not cuda:
             return "Lightning runs 16-mixed as bf16-mixed on CPU"
-        if choice.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
+        if choice.startswith("bf16") and cuda and not (compute_capability() >= (8, 0) if capability is not None
+                                                        else torch.cuda.is_bf16_supported()):
             return "this GPU has no bf16 support"
         if choice == "transformer-engine":
             if importlib.util.find_spec("transformer_engine") is None:
                 return "the transformer_engine package is not installed"
-            if not cuda or torch.cuda.get_device_capability(device) < (8, 9):
+            if not cuda or compute_capability() < (8, 9):
                 return "FP8 needs a GPU of compute capability 8.9 or newer"
     if not cuda and choice is True and name in ("activation_offload", "optimizer_offload", "cpu_offload",
                                                 "expandable_segments", "pin_memory"):
@@ -131,11 +140,11 @@ def _unrunnable(name: str, choice: Any, device: torch.device, batch_size: int) -
     torchao_needed = ((name == "optimizer_offload" and choice is True)
                       or (name == "optimizer_state" and choice != "full")
                       or (name == "precision" and choice == "bf16-true"))  # bf16 weights: torchao's rounded AdamW
-    if name == "float8" and choice is True and (not cuda or torch.cuda.get_device_capability(device) < (8, 9)):
+    if name == "float8" and choice is True and (not cuda or compute_capability() < (8, 9)):
         return "FP8 needs a GPU of compute capability 8.9 or newer"
     if (torchao_needed or (name == "float8" and choice is True)) and importlib.util.find_spec("torchao") is None:
         return "the torchao package is not installed (pip install 'lightning-autotune[torchao]')"
-    if name == "strategy" and choice == "ddp" and cuda and torch.cuda.device_count() < 2:
+    if name == "strategy" and choice == "ddp" and cuda and (torch.cuda.device_count() if gpus is None else gpus) < 2:
         return "DDP needs at least 2 GPUs"
     return None
 

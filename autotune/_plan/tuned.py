@@ -68,8 +68,13 @@ def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, A
         produced = " ".join(str(command or provenance["command"]).splitlines())  # one comment line, whatever argv held
         lines.append(f"# Produced by: {produced}")
     measured = _measured(provenance)
-    if measured:
+    if provenance.get("samples_per_second") is None and provenance.get("prediction"):
+        lines.append("# Predicted, not measured: " + ", ".join(
+            [_predicted(provenance["prediction"], device=not provenance.get("device_name")), *measured]))
+    elif measured:
         lines.append("# Measured: " + ", ".join(measured))
+        if provenance.get("prediction"):
+            lines.append("# Predicted before it ran: " + _predicted(provenance["prediction"]))
     lines += [
         "# Use: python train.py fit --config your_config.yaml --config THIS_FILE",
         "#   (this file adds its callbacks to yours: `callbacks+` appends; a later --config's list replaces both)",
@@ -107,6 +112,19 @@ def _measured(prov: Mapping[str, Any]) -> list[str]:
         total = f" ({format_bytes(prov['device_total_bytes'])})" if prov.get("device_total_bytes") else ""
         measured.append(f"on {prov['device_name']}{total}")
     return measured
+
+
+def _predicted(prediction: Mapping[str, Any], *, device: bool = True) -> str:
+    """The step-time model's figures, ``"812.4 samples/s (compute-bound, MFU 41%) on NVIDIA H100 SXM5 80GB"``."""
+    rate = prediction.get("samples_per_second")
+    parts = [f"{prediction.get('bound')}-bound"] if prediction.get("bound") else []
+    if prediction.get("mfu") is not None:
+        parts.append(f"MFU {prediction['mfu']:.0%}")
+    if prediction.get("error") is not None:
+        parts.append(f"model error so far {prediction['error']:.0%}")
+    text = f"{rate:.1f} samples/s" if isinstance(rate, (int, float)) else "speed unknown"
+    text += f" ({', '.join(parts)})" if parts else ""
+    return text + (f" on {prediction['device']}" if device and prediction.get("device") else "")
 
 
 def write_tuned_file(text: str, path: str | Path) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune._plan.space import AUTO, plan_from_params
-from autotune._search.rank import SearchEstimator, even_micro_batches, sharded_devices
+from autotune._search.memory import SearchEstimator, even_micro_batches, sharded_devices
 
 __all__ = ["AutoMicro", "shape_key"]
 

@@ -105,7 +105,7 @@ def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: 
               devices: int = 1) -> tuple[dict[str, Any], int] | None:
     """The params and micro-batch of the first rung of halving's ladder not measured yet; None once the ladder is
     answered. ``devices``: the ranks of each trial (a sharded plan carries them)."""
-    from autotune._search.rank import sharded_devices
+    from autotune._search.memory import sharded_devices
 
     point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
     fields = sharded_devices(point, devices)

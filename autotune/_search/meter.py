@@ -327,44 +327,14 @@ def make_meter(**kwargs: Any) -> Any:
     return Meter(**kwargs)
 
 
-#: Dense peak FLOP/s (16-bit, TF32 or FP32) of GPUs known exactly: (name as NVML gives it, compute capability,
-#: SM count). A device not listed gets no MFU: a near match (an H100 PCIe for an SXM, an A10G for an A10) would be
-#: wrong by up to 30%.
-_PEAK_FLOPS: dict[tuple[str, tuple[int, int], int], tuple[float, float]] = {
-    ("NVIDIA H100 80GB HBM3", (9, 0), 132): (989e12, 494e12),
-    ("NVIDIA H100 PCIe", (9, 0), 114): (756e12, 378e12),
-    ("NVIDIA H200", (9, 0), 132): (989e12, 494e12),
-    ("NVIDIA A100-SXM4-80GB", (8, 0), 108): (312e12, 156e12),
-    ("NVIDIA A100-SXM4-40GB", (8, 0), 108): (312e12, 156e12),
-    ("NVIDIA A100 80GB PCIe", (8, 0), 108): (312e12, 156e12),
-    ("NVIDIA A100-PCIE-40GB", (8, 0), 108): (312e12, 156e12),
-    ("NVIDIA L40S", (8, 9), 142): (362e12, 183e12),
-    ("NVIDIA L4", (8, 9), 58): (121e12, 60e12),
-    ("NVIDIA A10", (8, 6), 72): (125e12, 62.5e12),
-}
-
-
-def peak_flops_for(name: str, capability: tuple[int, int], sm_count: int, precision: str) -> float | None:
-    """The dense peak FLOP/s of the GPU (name, compute capability, SM count) for ``precision``; None when the
-    device is not known exactly.
-
-    Example:
-        >>> peak_flops_for("NVIDIA H100 80GB HBM3", (9, 0), 132, "bf16-mixed")
-        989000000000000.0
-        >>> peak_flops_for("NVIDIA H100 PCIe", (9, 0), 132, "bf16-mixed") is None  # not an H100 PCIe's SM count
-        True
-    """
-    known = _PEAK_FLOPS.get((name, tuple(capability), int(sm_count)))  # type: ignore[arg-type]
-    if known is None:
-        return None
-    return known[0] if precision.startswith(("bf16", "16", "transformer-engine")) else known[1]
-
-
 def peak_flops_per_second(device: str, precision: str) -> float | None:
-    """The trial device's dense peak FLOP/s for the precision, or None (CPUs, GPUs not known exactly: no MFU)."""
+    """The trial device's dense peak FLOP/s for the precision, or None (CPUs, GPUs not known exactly: no MFU); the
+    figures are the step-time model's table (:data:`autotune._estimate.devices.KNOWN_DEVICES`)."""
     if not device.startswith("cuda"):
         return None
     import torch
+
+    from autotune._estimate.devices import peak_flops_for
 
     props = torch.cuda.get_device_properties(0)
     return peak_flops_for(props.name, (props.major, props.minor), props.multi_processor_count, precision)

@@ -6,6 +6,8 @@ memory constraint as a plain attribute and may rank infeasible trials as best.
 
 from __future__ import annotations
 
+import statistics
+
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,7 @@ def trial_table(study: Any) -> str:
     marks = sorted({r["estimate_method"] for r in rows} & _METHOD_MARK.keys())
     if marks:
         lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))
+    lines += _model_lines(study)
     choice = chosen(study)
     if choice:
         low, high = choice["interval"]
@@ -140,6 +143,24 @@ def chosen_lines(choice: dict[str, Any]) -> list[str]:
                      f"({choice['fallback_samples_per_second']:.1f}/s) after it")
     if choice.get("within_noise_of"):
         lines.append(f"  within measurement noise of: {'; '.join(choice['within_noise_of'])}")
+    return lines
+
+
+def _model_lines(study: Any) -> list[str]:
+    """How far the step-time model's predictions (each made before its trial ran, with the trials before it) were
+    from the measured trials, and whether it stopped the search."""
+    misses = [abs(t.user_attrs["predicted_samples_per_second"] - t.user_attrs["samples_per_second"])
+              / t.user_attrs["samples_per_second"] for t in study.get_trials(deepcopy=False)
+              if t.user_attrs.get("source") == "measured" and t.user_attrs.get("status") == "ok"
+              and t.user_attrs.get("samples_per_second") and t.user_attrs.get("predicted_samples_per_second")]
+    lines = []
+    if misses:
+        lines.append(f"step-time model: each measured trial predicted before it ran, off by {min(misses):.0%} to "
+                     f"{max(misses):.0%} (median {statistics.median(misses):.0%}) over {len(misses)} trials")
+    stopped = study.user_attrs.get("stopped_by_model")
+    if stopped:
+        lines.append(f"the search stopped early: no plan left unmeasured was predicted to beat "
+                     f"{stopped['best_samples_per_second']:.1f} samples/s by the model's error")
     return lines
 
 

@@ -19,15 +19,13 @@ from autotune._plan.space import (
 )
 from autotune._search.auto import AutoMicro
 from autotune._search.choose import Figure, choose, figures, no_fit_message, over_budget_by, run_of
+from autotune._search.confirm import (
+    chosen_prediction, learn_speed, observe_trial, predicted_best_first, stop_when_confirmed,
+)
 from autotune._search.halving import PINNED, walk_ladder
 from autotune._search.inert import without_inert
-from autotune._search.rank import (
-    SearchEstimator,
-    guided_trials,
-    ranked_candidates,
-    sharded_devices,
-    with_variations,
-)
+from autotune._search.memory import SearchEstimator, sharded_devices
+from autotune._search.speed import SearchSpeed, guided_trials, ranked_candidates, with_variations
 from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
 from autotune._search.storage import (
     digest, exclusive, open_storage, recover_dead_workers, requeue_interrupted, stamp_study, storage_file, study_name,
@@ -194,6 +192,7 @@ def search(
         recover_dead_workers(the_study)
         requeue_interrupted(the_study)
         runner.learn_context(the_study)  # a resumed search: the context its trials measured
+        learn_speed(the_study, runner.speed, devices)  # and the speeds, which calibrate the step-time model
         if finished(the_study) < trials:
             if not the_study.trials:  # a new study: its first trials are the seeds, then the estimator's ranking
                 runner.measure_baseline()
@@ -205,9 +204,11 @@ def search(
                 runner,
                 n_trials=None,
                 timeout=timeout,
-                callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials), *callbacks],
+                callbacks=[MaxMeasured(trials, space_obj.size()), StopOnFailures(trials),
+                           stop_when_confirmed(runner, space=space_obj, budget_bytes=budget_bytes), *callbacks],
                 catch=(_TrialCrashed,),
             )
+
         def run_one() -> None:  # one more trial: halving's rung, the leader's plain twin (or a trial queued before)
             the_study.optimize(runner, n_trials=1, catch=(_TrialCrashed,), callbacks=callbacks)
 
@@ -237,6 +238,7 @@ def search(
                 predicted_peak_bytes=predicted if predicted is not None else runner.predict(measured),
                 command=command, produced_by=f"search (study '{name}', trial {best.number})",
                 trainer_settings=best.user_attrs.get("trainer_settings") or {},
+                prediction=chosen_prediction(best, runner.speed, measured),
             ),
         )
         plan = _at_largest_samples(plan, runner.estimator.batch_sizes, runner.predict(plan), budget_bytes)
@@ -281,6 +283,7 @@ class _Objective:
         self.budget, self.budget_bytes, self.device, self.devices = budget, budget_bytes, device, devices
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
         self.estimator = SearchEstimator(target_obj, device)
+        self.speed = SearchSpeed(self.estimator, batch_size=target_obj.batch_size(), devices=devices)
         self.auto = AutoMicro(self.estimator, budget_bytes=budget_bytes, batch_size=target_obj.batch_size(),
                               devices=devices)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
@@ -303,15 +306,15 @@ class _Objective:
                 self.estimator.measured_context(t.user_attrs["context_bytes"])
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
-        """The space's seeds, then the estimator's ranked candidates not among them, ``count`` in all."""
+        """The predicted best point (the estimator's first ranked candidate), the space's seeds, then the other
+        ranked candidates not among them, ``count`` in all."""
         seeds = [dict(p) for p in self.space.seeds]
         batch_size = self.target_obj.batch_size()
         ranked = ranked_candidates(
-            self.space, limit=count, batch_size=batch_size, device_type=self.device.type, devices=self.devices,
+            self.space, limit=count, batch_size=batch_size, devices=self.devices, cost=self.speed.seconds_per_sample,
             resolve_micro=self.auto, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
             tensor_room=self.budget_bytes - self.estimator.baseline)
-        extra = [p for p in with_variations(self.space, ranked) if p not in seeds]
-        return (seeds + extra)[:max(count, len(seeds))]
+        return predicted_best_first(seeds, with_variations(self.space, ranked))[:max(count, len(seeds) + 1)]
 
     def __call__(self, trial: Any) -> float:
         import optuna
@@ -374,6 +377,7 @@ class _Objective:
         result = run_trial(spec, timeout=self.trial_timeout)
         ran = time.perf_counter() - launched
         value = self._record(trial, result, source="measured")
+        observe_trial(trial, plan, self.speed, result.samples_per_second if result.status == "ok" else None)
         if result.context_bytes:  # CUDA: the process's context, measured, for the shapes not measured yet
             self.estimator.measured_context(result.context_bytes)
         if result.status == "oom" and not pinned:

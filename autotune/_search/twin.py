@@ -52,7 +52,7 @@ def measure_twin(study: Any, space: SearchSpace, *, budget_bytes: int, devices: 
 
     from optuna.trial import TrialState
 
-    from autotune._search.rank import sharded_devices
+    from autotune._search.memory import sharded_devices
 
     ranked = figures(study, budget_bytes)
     if not ranked or ranked[0].fields is None or ranked[0].simplicity() == simplicity({}):

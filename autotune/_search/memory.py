@@ -1,15 +1,10 @@
-"""What the estimator tells a search before anything runs: predicted peaks in the search's own measure, ``auto``
-micro-batches, and the order of the first trials (plans predicted to fit, the fastest predicted first).
-
-The cost model (``cost.py``: relative seconds per sample from recomputation, the micro-batch, CUDA precision,
-offload and low-bit state) orders the candidates. Dimensions it does not model (compile, FP8, the allocator,
-dataloader workers) are tried one at a time around the cheapest candidate (:func:`with_variations`), and otherwise
-left to the sampler.
+"""What the estimator tells a search about memory: predicted peaks in the search's own measure (the process baseline
+on CPU, the CUDA context, each shape's measured error) calibrated by its trials, and ``auto`` micro-batches. The order
+of the first trials and the plans' predicted speed: :mod:`autotune._search.speed`.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import threading
@@ -17,100 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autotune._plan.plan import Plan
-from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
-from autotune._search.cost import predicted_cost
 
 if TYPE_CHECKING:
     from autotune._estimate.estimate import BatchSizes
+    from autotune._estimate.work import StepWork
 
 log = logging.getLogger("autotune")
-
-#: A plan predicted over the budget by less than this share of the room for its tensors (the budget less the process
-#: baseline) is still tried: measuring settles what the estimate cannot.
-FIT_SLACK = 0.02
-#: Or, where it is more (on CPU), by this share of the process baseline, which scatters about that much between runs
-#: (the GPT example's baseline run: 319.4-320.6 MiB).
-BASELINE_SLACK = 0.01
-#: The plan fields the cost model knows.
-MODELLED = ("precision", "micro_batch_size", "activation_checkpointing", "activation_offload", "optimizer_offload",
-            "optimizer_state")
-
-
-def modelled_dimensions(space: SearchSpace, device_type: str) -> list[str]:
-    """The space's dimensions the cost model ranks: :data:`MODELLED` (precision only on CUDA), less any whose
-    condition depends on a dimension the model does not know."""
-    names = {d.name for d in space.dimensions
-             if d.name in MODELLED and (d.name != "precision" or device_type == "cuda")}
-    changed = True
-    while changed:
-        changed = False
-        for dim in space.dimensions:
-            if dim.name in names and any(parent not in names for parent in dim.when):
-                names.discard(dim.name)
-                changed = True
-    return [d.name for d in space.dimensions if d.name in names]
-
-
-def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device_type: str, devices: int,
-                      resolve_micro: Callable[[dict[str, Any]], int], peak: Callable[[Plan], int | None],
-                      budget_bytes: int, tensor_room: int | None = None) -> list[dict[str, Any]]:
-    """Up to ``limit`` points of ``space`` (its modelled dimensions only) predicted to fit ``budget_bytes`` (within
-    ``FIT_SLACK``), cheapest predicted first; ``auto`` stays ``auto`` (the trial resolves it the same way), ranked at
-    the micro-batch it resolves to. Estimates are made in cost order and stop once ``limit`` candidates fit. A point
-    the estimator cannot tell about counts as fitting. ``tensor_room``: the budget less the process baseline (None:
-    the whole budget), of which ``FIT_SLACK`` is the slack (or ``BASELINE_SLACK`` of the baseline, if more). The peak
-    grows with the micro-batch: a point whose shape (its plan without the micro-batch) fits at a larger micro-batch
-    fits without an estimate of its own (larger micro-batches cost less: they come first)."""
-    names = modelled_dimensions(space, device_type)
-    if not names or limit <= 0:
-        return []
-    tensor_room = budget_bytes if tensor_room is None else max(tensor_room, 0)
-    projected = list({repr(sorted((k, v) for k, v in p.items() if k in names)):
-                      {k: v for k, v in p.items() if k in names} for p in space.points()}.values())
-    queue = []
-    for index, params in enumerate(projected):  # ``auto`` first at the whole batch (its best case), resolved if reached
-        micro = batch_size if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
-        plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices))
-        queue.append((predicted_cost(plan, batch_size=batch_size, device_type=device_type), index, plan, params))
-    heapq.heapify(queue)  # cheapest first; ties keep the space's order
-    chosen: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    resolved: set[int] = set()
-    limit_bytes = budget_bytes + max(FIT_SLACK * tensor_room, BASELINE_SLACK * (budget_bytes - tensor_room))
-    fits_up_to: dict[str, int] = {}  # by shape: the largest micro-batch predicted to fit
-
-    def fits(plan: Plan) -> bool:
-        shape, micro = _shape(plan).key(), plan.micro_batch_size or batch_size
-        if micro <= fits_up_to.get(shape, 0):
-            return True
-        predicted = peak(plan)
-        if predicted is None:  # the estimator cannot tell: tried
-            return True
-        fit = predicted <= limit_bytes
-        if fit:
-            fits_up_to[shape] = max(fits_up_to.get(shape, 0), micro)
-        return fit
-
-    while queue and len(chosen) < limit:
-        cost, index, plan, params = heapq.heappop(queue)
-        if params.get("micro_batch_size") == AUTO and index not in resolved:
-            resolved.add(index)  # back in the queue at its real cost
-            plan = plan.replace(micro_batch_size=resolve_micro(params))
-            heapq.heappush(queue, (predicted_cost(plan, batch_size=batch_size, device_type=device_type), index, plan,
-                                   params))
-            continue
-        key = plan.key()
-        if key in seen:
-            continue  # ``auto`` that resolved to a listed micro-batch
-        seen.add(key)
-        if fits(plan):
-            chosen.append(params)
-    return chosen
-
-
-def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
-    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
-    return {"devices": devices} if params.get("strategy") == "fsdp" else {}
 
 
 _FAILED = object()  # the estimator could not tell
@@ -210,16 +117,24 @@ class SearchEstimator:
         result = self._call(lambda traces: traces.at(plan.micro_batch_size or traces.size), plan)
         return None if result is _FAILED else result.method
 
+    def work(self, plan: Plan) -> StepWork | None:
+        """The FLOPs and bytes of ``plan``'s step, op by op (what its speed is predicted from): its shape's trace at
+        the whole batch, whatever ``plan``'s micro-batch (the step-time model takes a pass's work in proportion to its
+        samples), so every plan of every shape is predicted from a trace made alike; None when the estimator cannot
+        tell."""
+        result = self._call(lambda traces: traces.work(traces.size), plan)
+        return None if result is _FAILED else result
+
     def traced(self, plan: Plan) -> bool:
         """Whether ``plan`` (its shape at its micro-batch) has been traced: its estimate costs nothing."""
-        traces = self._traces.get(_shape(plan).key())
+        traces = self._traces.get(shape_of(plan).key())
         return traces is not None and traces.traced(plan.micro_batch_size or traces.size)
 
     def known_under(self, plan: Plan, limit_bytes: int) -> bool:
         """Whether ``plan``'s least peak (:meth:`least_peak`) is known to be at most ``limit_bytes`` without tracing
         it: a larger micro-batch of its shape, traced, is under the limit with the first baseline measured (CUDA: the
         context; the peak grows with the micro-batch; the least peak takes at most that baseline)."""
-        traces = self._traces.get(_shape(plan).key())
+        traces = self._traces.get(shape_of(plan).key())
         if traces is None or plan.micro_batch_size is None:
             return False
         return any(traces.at(m).predicted_peak_bytes + self.baseline <= limit_bytes
@@ -231,12 +146,12 @@ class SearchEstimator:
         ``lazily``: a plan not traced yet is kept until its shape's baseline is asked for (:meth:`baseline_for`), and
         traced only then."""
         if lazily and self.calibrated and not self.traced(plan):
-            self._pending.setdefault(_shape(plan).key(), []).append((plan, measured_peak))
+            self._pending.setdefault(shape_of(plan).key(), []).append((plan, measured_peak))
             return False
         predicted = self.tensors(plan)
         if predicted is None:
             return False
-        key = _shape(plan).key()
+        key = shape_of(plan).key()
         baseline, micro = measured_peak - predicted, plan.micro_batch_size or self._traces[key].size  # traced above
         known = self._shape_baselines.setdefault(key, {})
         changed = baseline > known.get(micro, -math.inf)
@@ -267,7 +182,7 @@ class SearchEstimator:
         """The process baseline under ``plan``'s tensors: its shape's if measured (:func:`interpolated` over the
         micro-batches measured), else the first measured (CUDA: the smallest context a trial measured, or the context
         estimate before one has)."""
-        key = _shape(plan).key()
+        key = shape_of(plan).key()
         for measured, peak in self._pending.pop(key, []):
             self.calibrate(measured, peak)
         return self._baseline_at(key, plan.micro_batch_size or math.inf)  # None: the whole batch
@@ -292,7 +207,7 @@ class SearchEstimator:
             with _TRACING:
                 if self._batch is None:  # where lengths vary, micro-batches are estimated on the longest batch seen
                     self._batch, self.batch_sizes = longest_batch(self.target)
-                shape = _shape(plan)
+                shape = shape_of(plan)
                 traces = self._traces.get(shape.key())
                 if traces is None:
                     traces = self._traces[shape.key()] = Traces(model=self.target.model, batch=self._batch,
@@ -325,7 +240,7 @@ class SearchEstimator:
         from autotune._estimate.result import largest_fitting
 
         self.baseline_for(plan)  # calibrates from the shape's measurements kept until now, before tracing
-        key = _shape(plan).key()
+        key = shape_of(plan).key()
 
         def peak(traces: Any, m: int) -> int:
             return traces.at(m).predicted_peak_bytes + self._baseline_at(key, m)
@@ -366,49 +281,12 @@ def even_micro_batches(batch_size: int) -> list[int]:
     return sorted({-(-batch_size // passes) for passes in range(1, batch_size + 1)})
 
 
-def _shape(plan: Plan) -> Plan:
+def shape_of(plan: Plan) -> Plan:
     """``plan`` without what leaves the step's tensors as they are: its micro-batch (traced apart), the dataloader's
     and the allocator's settings."""
     return plan.replace(micro_batch_size=None, num_workers=None, pin_memory=None, expandable_segments=False)
 
 
-def with_variations(space: SearchSpace, ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ranked candidates with the dimensions the cost model does not know tried one at a time around the first:
-    the first candidate with every other dimension at its first choice, then that point with one dimension changed
-    (each other choice of each dimension in turn), alternating with the next ranked candidates (whose other
-    dimensions the sampler chooses).
-
-    Example:
-        >>> space = SearchSpace("s", "", (Dimension("micro_batch_size", (8, 4)), Dimension("num_workers", (0, 1))))
-        >>> with_variations(space, [{"micro_batch_size": 8}, {"micro_batch_size": 4}])
-        [{'micro_batch_size': 8, 'num_workers': 0}, {'micro_batch_size': 8, 'num_workers': 1}, {'micro_batch_size': 4}]
-    """
-    if not ranked:
-        return []
-    top = ranked[0]
-
-    def point(changed: dict[str, Any]) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for dim in space.dimensions:
-            if dim.active(params):
-                params[dim.name] = changed.get(dim.name, top.get(dim.name, dim.choices[0]))
-        return params
-
-    base = point({})
-    variations = [point({dim.name: choice}) for dim in space.dimensions if dim.name not in top and dim.name in base
-                  for choice in dim.choices[1:]]
-    out = [base]
-    for i in range(max(len(variations), len(ranked) - 1)):
-        out += variations[i:i + 1] + ranked[i + 1:i + 2]
-    return list({repr(sorted(p.items())): p for p in out}.values())
-
-
-def guided_trials(trials: int, seeds: int) -> int:
-    """How many of a search's first trials are given (the space's seeds, then ranked candidates): half of them,
-    rounded up, and at least the seeds; the sampler proposes the rest.
-
-    Example:
-        >>> guided_trials(6, 2), guided_trials(30, 3)
-        (3, 15)
-    """
-    return max(seeds, math.ceil(trials / 2))
+def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
+    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
+    return {"devices": devices} if params.get("strategy") == "fsdp" else {}
