@@ -65,6 +65,15 @@ class Verdict(NamedTuple):
         return self.failed or self.left
 
 
+class StepFailed(RuntimeError):
+    """An attempt at the step failed on some rank (the ``verdict`` every rank reached); ``own``: on this one."""
+
+    def __init__(self, verdict: Verdict, *, own: bool, where: str, cause: BaseException | None = None) -> None:
+        super().__init__("a rank ran out of memory in this step")
+        self.verdict, self.own, self.where = verdict, own, where
+        self.cause = cause  # this rank's own error, its traceback dropped (it held the failed attempt's activations)
+
+
 class Agreement:
     """The collectives that keep ranks in step; everything is local when there is one process."""
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from autotune._device.budget import format_bytes
 
 _LATER = "Later ones are not warned about again: see the {metric} metric and ElasticBatchSize.events."
 #: What the user is told once per kind and fit (rank zero), besides the INFO log line of every event.
@@ -79,3 +82,14 @@ class ElasticEvent:
     micro_batch_size: int
     where: str = ""
     peak_bytes: int = 0
+
+
+def floor_message(verdict: Any, n: int, *, policy: Any, ranks: bool) -> str:
+    """The error for an out-of-memory at the minimum micro-batch (``verdict``: the step's, naming the rank that
+    failed under several ``ranks``), the same text on every rank."""
+    who = f" on rank {verdict.floor_rank}" if ranks else ""
+    return (f"Out of memory at the minimum micro-batch{who} (in the {verdict.floor_where or 'step'}): batch size "
+            f"{n}, micro-batch {verdict.floor_micro} (min_micro_batch_size={policy.min_micro_batch_size}), "
+            f"budget {policy.memory.budget_text or 'none (no cap)'}, peak {format_bytes(verdict.floor_peak)}. "
+            "Reduce memory per sample (precision, activation checkpointing), lower min_micro_batch_size, or "
+            "raise the budget.")

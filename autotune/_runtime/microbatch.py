@@ -19,16 +19,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autotune._compat import closure_extra, forget_scaler_steps, set_closure_loss, wrap_zero_grad
-from autotune._device.budget import format_bytes
 from autotune._device.meter import MemoryMeter, release_host_memory
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._runtime.agreement import HEADER, Agreement, Failure, PeerOutOfMemory, Verdict
+from autotune._runtime.agreement import HEADER, Agreement, Failure, PeerOutOfMemory, StepFailed, Verdict
 from autotune._runtime.batch import (
     batch_size_of, combine_outputs, passed_whole, scale_step_output, slice_batch, split_even, split_sizes,
 )
 from autotune._runtime.drain import CollectiveDrain
 from autotune._runtime.evaluation import run_eval_step
-from autotune._runtime.events import _COUNTS_DIFFER, _DIFFERENT_SPLITS, _NOT_SPLIT, _PASSED_WHOLE
+from autotune._runtime.events import _COUNTS_DIFFER, _DIFFERENT_SPLITS, _NOT_SPLIT, _PASSED_WHOLE, floor_message
 from autotune._runtime.gradients import GradientAverager
 from autotune._runtime.guard import CollectiveGuard
 from autotune._runtime.logbuffer import LogBuffer
@@ -36,15 +35,6 @@ from autotune._runtime.policy import MicroBatchPolicy, StepPeaks
 from autotune._runtime.state import MetricStates, RNGState, release_memory
 from autotune._runtime.sync import DDPBuffers, no_sync
 from autotune._runtime.update import UpdateGuard
-
-
-class StepFailed(RuntimeError):
-    """An attempt at the step failed on some rank (the ``verdict`` every rank reached); ``own``: on this one."""
-
-    def __init__(self, verdict: Verdict, *, own: bool, where: str, cause: BaseException | None = None) -> None:
-        super().__init__("a rank ran out of memory in this step")
-        self.verdict, self.own, self.where = verdict, own, where
-        self.cause = cause  # this rank's own error, its traceback dropped (it held the failed attempt's activations)
 
 
 class ElasticEngine:
@@ -189,7 +179,7 @@ class ElasticEngine:
                 break
             verdict = failed.verdict
             if verdict.floor_rank is not None:
-                raise OutOfMemoryAtMinimumError(self._floor_message(verdict, n)) from failed.cause
+                raise OutOfMemoryAtMinimumError(floor_message(verdict, n, policy=self.policy, ranks=self.agree.enabled)) from failed.cause
             if verdict.left and left_before:
                 raise RuntimeError(_COUNTS_DIFFER)  # equal counts and still apart: collectives that follow the data
             left_before = left_before or verdict.left
@@ -207,7 +197,7 @@ class ElasticEngine:
             next_micro = self.policy.after_oom(ran=self.sizes[0], n=n, own=failed.own, step=global_step,
                                                where=failed.where, peak=self.meter.peak())
             if next_micro is None:  # cannot happen: the vote's floor rank is this one then
-                raise OutOfMemoryAtMinimumError(self._floor_message(verdict, n))
+                raise OutOfMemoryAtMinimumError(floor_message(verdict, n, policy=self.policy, ranks=self.agree.enabled))
             micro = next_micro
             replayed = True
             static = self.meter.start() if self._measure else 0
@@ -398,15 +388,6 @@ class ElasticEngine:
         if self._metrics is None:
             self._metrics = MetricStates.find(module)
         return MetricStates(self._metrics, training=training)
-
-    def _floor_message(self, verdict: Verdict, n: int) -> str:
-        policy = self.policy
-        who = f" on rank {verdict.floor_rank}" if self.agree.enabled else ""
-        return (f"Out of memory at the minimum micro-batch{who} (in the {verdict.floor_where or 'step'}): batch size "
-                f"{n}, micro-batch {verdict.floor_micro} (min_micro_batch_size={policy.min_micro_batch_size}), "
-                f"budget {policy.memory.budget_text or 'none (no cap)'}, peak {format_bytes(verdict.floor_peak)}. "
-                "Reduce memory per sample (precision, activation checkpointing), lower min_micro_batch_size, or "
-                "raise the budget.")
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
