@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
     from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
     from autotune._plan.tuned import PlanFileError
+    from autotune._search.auto import AutoMicro
+    from autotune._search.memory import SearchEstimator
     from autotune._search.search import NoFeasiblePlanError, SearchResult, search
     from autotune._search.trial import TrialResult, measure_plan
     from autotune._target.target import Target, TargetError, load_target
@@ -52,6 +54,8 @@ _EXPORTS = {
     "available_spaces": "autotune._plan.space",
     "load_space": "autotune._plan.space",
     "PlanFileError": "autotune._plan.tuned",
+    "AutoMicro": "autotune._search.auto",
+    "SearchEstimator": "autotune._search.memory",
     "NoFeasiblePlanError": "autotune._search.search",
     "SearchResult": "autotune._search.search",
     "search": "autotune._search.search",
@@ -65,6 +69,7 @@ _EXPORTS = {
 __all__ = [
     "PRECISIONS",
     "STRATEGIES",
+    "AutoMicro",
     "Budget",
     "CapacityRow",
     "Estimate",
@@ -74,6 +79,7 @@ __all__ = [
     "Plan",
     "PlanFileError",
     "Provenance",
+    "SearchEstimator",
     "SearchResult",
     "SearchSpace",
     "SpeedPrediction",

@@ -70,7 +70,6 @@ from _common import (  # noqa: E402
     threads_for,
     write_json,
 )
-from _auto_micro import AUTO, AutoMicro, plan_of  # noqa: E402
 
 #: Goals: the median of our "tuned / best", and our wall time over the exhaustive pass's.
 GOAL_QUALITY, GOAL_WALL = 0.97, 0.25
@@ -80,6 +79,18 @@ REACH_SHARE = 0.95
 ORACLE_WITHIN = 0.10
 #: ``--target``: the GPT example, and the same at a 4x longer context, whose plans' peaks lie MiBs apart.
 TARGETS = {"gpt": GPT_TARGET, "long": f"{HERE / 'long_context.py'}:make"}
+#: The ``micro_batch_size`` choice the search resolves with the estimator.
+AUTO = "auto"
+
+
+def plan_of(params: dict[str, Any], micro_batch_size: int | None) -> Any:
+    """The plan of one point of a space (Optuna params); ``micro_batch_size`` replaces an ``auto`` choice."""
+    from autotune import Plan
+
+    values = dict(params)
+    if values.get("micro_batch_size") == AUTO:
+        values["micro_batch_size"] = micro_batch_size
+    return Plan.from_dict(values)
 
 
 def _fits(row: dict[str, Any], budget_bytes: int) -> bool:
@@ -123,7 +134,8 @@ class Table:
                                                      "micro_batch_size": plan.micro_batch_size, "runs": []})
         row["runs"].append({"status": result.status, "samples_per_second": result.samples_per_second or 0.0,
                             "interval": list(result.interval) if result.interval else None,
-                            "peak_bytes": result.peak_bytes, "peak_noise_bytes": result.peak_noise_bytes})
+                            "peak_bytes": result.peak_bytes, "peak_noise_bytes": result.peak_noise_bytes,
+                            "context_bytes": result.context_bytes})
         return row
 
     def view(self, name: str) -> dict[str, Any]:
@@ -147,22 +159,29 @@ def exhaustive(table: Table, target: str, space: Any, budget: str, budget_bytes:
                batch_size: int) -> tuple[list[str], float, dict[str, int]]:
     """Measure every distinct plan of ``space`` not in ``table`` yet; the plans of this budget, the seconds spent
     on the new ones, and what each ``auto`` point resolved to."""
-    from autotune import load_target
+    import torch
 
-    auto = AutoMicro(load_target(target), device)
-    auto.measure_baseline(target)
+    from autotune import AutoMicro, SearchEstimator, load_target
+
+    # the search's own ``auto``: its estimator, the CPU baseline measured by a short run before the first trial, each
+    # measured plan's peak (and CUDA context) calibrating its shape as a search's trials do
+    estimator = SearchEstimator(load_target(target), torch.device(device))
+    estimator.measure_baseline(target=target, config=None)
+    auto = AutoMicro(estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=1)
     names: list[str] = []
     choices: dict[str, int] = {}
     start = time.perf_counter()
     for params in space.points():
         micro = params.get("micro_batch_size")
         if micro == AUTO:
-            micro = choices[repr(sorted(params.items()))] = auto.resolve(params, budget_bytes, batch_size)
+            micro = choices[repr(sorted(params.items()))] = auto(params)
         plan = plan_of(params, micro)
         if plan.describe() not in table.rows:
-            row = table.measure(target, plan, params, device)
-            if row["runs"][-1]["status"] == "ok" and row["runs"][-1]["peak_bytes"]:
-                auto.calibrate(plan, row["runs"][-1]["peak_bytes"])
+            run = table.measure(target, plan, params, device)["runs"][-1]
+            if run["context_bytes"]:
+                estimator.measured_context(run["context_bytes"])
+            if run["status"] == "ok" and run["peak_bytes"]:
+                estimator.calibrate(plan, run["peak_bytes"], lazily=True)
         if plan.describe() not in names:
             names.append(plan.describe())
     return names, time.perf_counter() - start, choices
