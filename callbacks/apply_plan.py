@@ -18,13 +18,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
-from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
-from autotune._runtime.shard import shard_model
-from autotune._runtime.sync import fsdp_modules
 from autotune._compat import set_activation_memory_budget, set_cuda_allocator_settings
-from autotune._runtime.optim_state import INSTALL_HINT as TORCHAO_HINT, LowBitOptimizer, low_bit_optimizers
 from autotune._plan.plan import Plan, Provenance
+from autotune._runtime.sync import fsdp_modules
+from autotune._transforms.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
+from autotune._transforms.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
+from autotune._transforms.optim_state import INSTALL_HINT as TORCHAO_HINT, LowBitOptimizer, low_bit_optimizers
+from autotune._transforms.shard import shard_model
 
 log = logging.getLogger("autotune")
 

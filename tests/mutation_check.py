@@ -266,6 +266,7 @@ def mutated(m: Mutation) -> str | None:
 
 # --------------------------------------------------------------------------------------------------- mutations
 RUNTIME = "autotune/_runtime/"
+TRANSFORMS = "autotune/_transforms/"
 ELASTIC = "tests/callbacks/test_elastic.py::"
 STATE = "tests/callbacks/test_elastic_state.py::"
 CONTRACT = "tests/callbacks/test_elastic_contract.py::"
@@ -329,7 +330,7 @@ MUTATIONS = (
              RUNTIME + "events.py", "", Append("def _peek(trainer):\n    return trainer.fit_loop._data_fetcher\n"),
              ("tests/test_layout.py::test_only_compat_reaches_into_private_upstream_api",)),
     Mutation("offload-keeps-stochastic-rounding", "optimizer offload under bf16-true runs torchao's rounding update",
-             RUNTIME + "offload.py", "update_constructor", Assign("own", "None"),
+             TRANSFORMS + "offload.py", "update_constructor", Assign("own", "None"),
              ("tests/callbacks/test_apply_plan.py::"
               "test_optimizer_offload_under_bf16_true_keeps_the_stochastic_rounding",)),
     Mutation("estimate-reads-values-fallback", "a step the trace without data cannot follow is estimated (real "
@@ -489,13 +490,13 @@ MUTATIONS = (
              RUNTIME + "batch.py", "batch_size_of", Returns("items", "None"),
              (CONTRACT + "test_a_batch_without_tensors_is_split_by_its_per_sample_lists",)),
     Mutation("norm-stats-kept-in-recompute", "a checkpointed block's recompute does not count in BatchNorm's stats",
-             RUNTIME + "blocks.py", "forward", Assign("contexts", "{}"),
+             TRANSFORMS + "blocks.py", "forward", Assign("contexts", "{}"),
              ("tests/test_clients.py::test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload",)),
     Mutation("checkpoint-wrapper-bound-to-its-block", "a copy of a checkpointed model computes with its own weights",
-             RUNTIME + "blocks.py", "checkpoint_blocks", Assign("bound", "False"),
+             TRANSFORMS + "blocks.py", "checkpoint_blocks", Assign("bound", "False"),
              ("tests/callbacks/test_apply_plan.py::test_a_copy_of_a_checkpointed_model_computes_with_its_own_weights",)),
     Mutation("encoder-and-decoder-layers-join", "an encoder-decoder's two kinds of layer are both checkpointed",
-             RUNTIME + "blocks.py", "find_blocks", FalseTest("authors"),
+             TRANSFORMS + "blocks.py", "find_blocks", FalseTest("authors"),
              ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
     Mutation("tuned-file-lists-callbacks-first", "a bad value anywhere in a tuned file is one line under LightningCLI",
              "autotune/_plan/plan.py", "Plan.tuned_document",

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from autotune import Estimate, Plan, estimate
-from autotune._runtime.blocks import find_blocks
+from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ApplyPlan
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The stages from the bottom up; a module may import from its own stage and the ones below it.
-STAGES = ("_compat", "_version", "_device", "_runtime", "_plan", "callbacks", "_target", "_estimate", "_search", "_cli")
+STAGES = (
+    "_compat", "_version", "_device", "_runtime", "_transforms", "_plan", "callbacks", "_target", "_estimate",
+    "_search", "_cli",
+)
 #: Imports that go up on purpose, each with its reason.
 ALLOWED_UPWARD = {
     # Plan.callbacks() is public API that builds the callbacks that apply the plan.

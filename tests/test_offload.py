@@ -16,8 +16,8 @@ from torch import nn
 from autotune import Plan
 from autotune._estimate.estimate import estimate
 from autotune._estimate.trace import Traces
-from autotune._runtime.offload import OFFLOAD_MIN_NUMEL, _Owners, device_part, hyperparameters, is_offloaded
 from autotune._plan.space import _unrunnable
+from autotune._transforms.offload import OFFLOAD_MIN_NUMEL, _Owners, device_part, hyperparameters, is_offloaded
 from autotune.callbacks import ApplyPlan
 from autotune.callbacks.apply_plan import _grads_change_after_backward
 from tests.callbacks.toy import trainer

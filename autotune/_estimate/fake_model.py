@@ -35,9 +35,9 @@ from autotune._estimate.inert import Watch
 from autotune._estimate.real_path import from_bytes, to_bytes
 from autotune._estimate.sharding import cast_unit_inputs
 from autotune._plan.plan import Plan
-from autotune._runtime.blocks import checkpoint_blocks, compile_targets, offload_activations, select_blocks
-from autotune._runtime.offload import device_part, is_offloaded
 from autotune._runtime.state import RNGState
+from autotune._transforms.blocks import checkpoint_blocks, compile_targets, offload_activations, select_blocks
+from autotune._transforms.offload import device_part, is_offloaded
 
 __all__ = ["FakeStep"]
 

@@ -26,8 +26,8 @@ from autotune._estimate.cuda_rules import round_cuda
 from autotune._estimate.sharding import shard_numel
 from autotune._estimate.work import WorkCounter
 from autotune._estimate.workspace import Workspace
-from autotune._runtime.offload import hyperparameters, is_offloaded, update_constructor
-from autotune._runtime.optim_state import replaces, state_tensor_bytes
+from autotune._transforms.offload import hyperparameters, is_offloaded, update_constructor
+from autotune._transforms.optim_state import replaces, state_tensor_bytes
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -175,7 +175,7 @@ def bytes_of(tensors: Iterable[Any], device: torch.device, *, cuda_rules: bool =
 class LowBitStandIn(torch.optim.Optimizer):
     """torchao's update (low-bit Adam, or AdamW rounding bf16 stochastically) as the estimator traces it: the state
     tensors torchao stores, made at the first update (per moment: codes, scales and code map, or a full-width buffer
-    for small tensors; see :func:`autotune._runtime.optim_state.state_tensor_bytes`), and an update that allocates
+    for small tensors; see :func:`autotune._transforms.optim_state.state_tensor_bytes`), and an update that allocates
     nothing more (torchao fuses each parameter's update into one compiled kernel)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from autotune._plan.plan import Plan
-from autotune._runtime.offload import OFFLOAD_MIN_NUMEL, is_offloaded
+from autotune._transforms.offload import OFFLOAD_MIN_NUMEL, is_offloaded
 
 __all__ = ["Watch"]
 
@@ -43,7 +43,7 @@ class Watch:
             block.forward = forward  # type: ignore[method-assign]
 
     def compiled(self, modules: Sequence[nn.Module]) -> None:
-        """Watch the modules compile would compile (:func:`autotune._runtime.blocks.compile_targets`): a compiled
+        """Watch the modules compile would compile (:func:`autotune._transforms.blocks.compile_targets`): a compiled
         module runs compiled only when it is called (``module(x)``), which a forward pre-hook sees."""
         self._compiled = list(modules)
         for module in modules:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._runtime.shard import sharding_units
+from autotune._transforms.shard import sharding_units
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The model is copied under ``FakeTensorMode`` (tensors without data; a step that reads tensor values is traced on a copy
 with real tensors on the host instead, at small micro-batches and along their line beyond: see
 :meth:`Traces._traced`), the plan is applied as a run applies it
-(:mod:`autotune._runtime.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
+(:mod:`autotune._transforms.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
 which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
 The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
 that makes the optimizer state (once per plan: every micro-batch traced starts from the state the step before left,

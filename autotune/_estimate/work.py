@@ -149,7 +149,7 @@ class WorkCounter:
         """The step's work: the operators recorded, the low-bit update's (:func:`low_bit_update`) and the sizes of the
         traced ``model`` (``offloaded``: the parameters ``optimizer_offload`` updates on the host, whose copies and
         optimizer state take ``host_state_bytes`` there)."""
-        from autotune._runtime.shard import sharding_units
+        from autotune._transforms.shard import sharding_units
 
         params = list({id(p): p for p in model.parameters()}.values())
         trained = [p for p in params if p.requires_grad]

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget
-from autotune._runtime.optim_state import OPTIMIZER_STATES
 from autotune._plan.tuned import (
     APPLY,
     ELASTIC,
@@ -24,6 +23,7 @@ from autotune._plan.tuned import (
     render_tuned_file,
     write_tuned_file,
 )
+from autotune._transforms.optim_state import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback

@@ -1,2 +1,3 @@
-"""The runtime engine behind the callbacks: micro-batching, batch structure, the log buffer, replay state, optimizer
-offload and the block transforms (checkpointing, compile) that apply a plan. Imports only ``autotune._device``."""
+"""The replay engine behind the callbacks: micro-batching and rank agreement, batch structure, the log buffer and
+replay state. Imports only ``autotune._compat`` and ``autotune._device``; the transforms that apply a plan live in
+``autotune._transforms``."""

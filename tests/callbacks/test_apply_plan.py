@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from autotune._runtime.blocks import checkpoint_blocks, find_blocks, select_blocks
+from autotune._transforms.blocks import checkpoint_blocks, find_blocks, select_blocks
 from autotune.callbacks import ApplyPlan, ElasticBatchSize, apply_plan
 from tests.callbacks.toy import trainer
 

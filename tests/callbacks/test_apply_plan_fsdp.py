@@ -13,7 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from autotune import Plan
-from autotune._runtime.shard import sharding_units
+from autotune._transforms.shard import sharding_units
 from autotune.callbacks import ApplyPlan
 from tests.callbacks.toy import ToyModel, trainer
 from tests.ranks import run_ranks

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from autotune import Plan, estimate
 from autotune._estimate.cuda_rules import CUDA_BLOCK
-from autotune._runtime.optim_state import LowBitOptimizer, real_state_bytes, state_tensor_bytes
+from autotune._transforms.optim_state import LowBitOptimizer, real_state_bytes, state_tensor_bytes
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")

@@ -21,9 +21,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from optuna.trial import TrialState
 
 from autotune import load_plan
-from autotune._runtime.blocks import find_blocks
 from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
+from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ElasticBatchSize
 
 ROOT = Path(__file__).resolve().parents[2]

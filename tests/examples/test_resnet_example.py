@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from autotune import Plan
-from autotune._runtime.blocks import find_blocks
+from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resnet"

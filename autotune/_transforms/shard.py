@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._runtime.blocks import find_blocks
+from autotune._transforms.blocks import find_blocks
 
 log = logging.getLogger("autotune")
 

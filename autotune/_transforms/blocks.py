@@ -104,7 +104,7 @@ def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Modu
 
 def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Callable[[], None]:
     """Recompute ``blocks`` of ``model`` in backward (non-reentrant ``torch.utils.checkpoint``); returns a function
-    undoing it. The runtime (``ApplyPlan``) and the estimator both checkpoint through here.
+    undoing it. ``ApplyPlan`` and the estimator both checkpoint through here.
 
     The random state is preserved by ``checkpoint``, so dropout inside a block recomputes identically. A block that
     checkpoints itself already (a ``gradient_checkpointing`` flag that is on, as transformers' layers have after

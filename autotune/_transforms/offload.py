@@ -71,7 +71,7 @@ def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
 
 def update_constructor(optimizer: Optimizer) -> tuple[Callable[..., Optimizer], dict[str, Any]]:
     """What builds ``optimizer``'s update over other parameter groups: a constructor taking the groups, and its keyword
-    arguments. An optimizer that runs another's update (:class:`~autotune._runtime.optim_state.LowBitOptimizer`:
+    arguments. An optimizer that runs another's update (:class:`~autotune._transforms.optim_state.LowBitOptimizer`:
     torchao's) says so with an ``update_constructor()`` method; else its class and the defaults its constructor
     takes."""
     own = getattr(optimizer, "update_constructor", None)
