@@ -151,8 +151,8 @@ def test_optimizer_offload_is_refused_off_cuda_and_with_ddp() -> None:
     with pytest.raises(ValueError, match="optimizer_offload runs on one GPU; it cannot be combined with strategy "
                        "'ddp'"):
         Plan(strategy="ddp", optimizer_offload=True)
-    assert _unrunnable("optimizer_offload", True, torch.device("cpu"), 8) == "it only has an effect on CUDA"
-    assert _unrunnable("optimizer_offload", False, torch.device("cpu"), 8) is None
+    assert _unrunnable("optimizer_offload", True, torch.device("cpu"), 8, None, None) == "it only has an effect on CUDA"
+    assert _unrunnable("optimizer_offload", False, torch.device("cpu"), 8, None, None) is None
 
 
 def test_grads_are_copied_again_only_when_something_may_change_them() -> None:
