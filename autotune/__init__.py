@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from autotune._estimate.estimate import Estimate, estimate
     from autotune._estimate.speed import predict_speed
     from autotune._estimate.step_time import SpeedPrediction
-    from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, Provenance, load_plan
+    from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, load_plan
+    from autotune._plan.provenance import Provenance
     from autotune._plan.space import SearchSpace, SpaceError, available_spaces, load_space
     from autotune._plan.tuned import PlanFileError
     from autotune._search.auto import AutoMicro
@@ -47,7 +48,7 @@ _EXPORTS = {
     "PRECISIONS": "autotune._plan.plan",
     "STRATEGIES": "autotune._plan.plan",
     "Plan": "autotune._plan.plan",
-    "Provenance": "autotune._plan.plan",
+    "Provenance": "autotune._plan.provenance",
     "load_plan": "autotune._plan.plan",
     "SearchSpace": "autotune._plan.space",
     "SpaceError": "autotune._plan.space",

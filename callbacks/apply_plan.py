@@ -19,7 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from autotune._compat import set_activation_memory_budget, set_cuda_allocator_settings
-from autotune._plan.plan import Plan, Provenance
+from autotune._plan.plan import Plan
+from autotune._plan.provenance import Provenance
 from autotune._runtime.sync import fsdp_modules
 from autotune._transforms.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
 from autotune._transforms.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget, format_bytes
-from autotune._plan.plan import Plan, Provenance
+from autotune._plan.plan import Plan
+from autotune._plan.provenance import Provenance
 from autotune._plan.space import (
     AUTO, SearchSpace, default_space_name, load_space, plan_from_params, quiet_list_choices,
 )

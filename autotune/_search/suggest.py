@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget, format_bytes
-from autotune._plan.plan import Plan, Provenance
+from autotune._plan.plan import Plan
+from autotune._plan.provenance import Provenance
 from autotune._plan.space import AUTO, default_space_name, load_space, plan_from_params
 from autotune._search.memory import SearchEstimator, sharded_devices
 from autotune._search.speed import SearchSpeed, modelled_dimensions, ranked_candidates
