@@ -188,7 +188,7 @@ def clear_fsdp_unsharded_grads(module: Any) -> None:
     dtype differs from the parameter dtype). Public ``reset_iter_state()`` resets the iteration but keeps them, and
     ``zero_grad`` only reaches the sharded gradients. If they moved, a step replayed after an OOM would add the
     failed attempt's partial gradients to its own: ``test_an_oom_inside_a_units_backward_after_some_of_its_gradients_
-    is_replayed_exactly`` (tests/callbacks/test_elastic_fsdp.py) ends 0.002-0.057 from Lightning's accumulation
+    is_replayed_exactly`` (tests/runtime/test_fsdp.py) ends 0.002-0.057 from Lightning's accumulation
     without this, 1e-6 with it."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for param in group.fsdp_params:

@@ -14,7 +14,7 @@ report (``gpu_check/report.md`` and ``report.json``) names the device, driver an
 command, exit status, seconds, the lines that matter and where its full output is (pytest steps keep every failure's
 traceback: ``-rA`` output and a junit XML). Steps:
 
-1. a trial against a plain run (``tests/test_trial_memory.py``, its ``gpu`` test): on the 310M GPT, each step's
+1. a trial against a plain run (``tests/search/test_trial_memory.py``, its ``gpu`` test): on the 310M GPT, each step's
    tensors' peak in a search trial and in a plain Lightning run of the same plan and steps (within 3%; where not,
    the plain run again with the trial's meter, with and without its FLOP count, says which part adds it).
 2. a trial against its estimate (``benchmarks/trial_vs_estimate.py``: on a GPU, the realistic search's best plan on
@@ -81,7 +81,7 @@ NEEDED = ("autotune.callbacks", "autotune.search_spaces", "optuna", "jsonargpars
 
 
 #: The test that holds a trial's tensors to a plain run's (the first step; the gpu-tests step leaves it out).
-TRIAL_MEMORY_TEST = "tests/test_trial_memory.py"
+TRIAL_MEMORY_TEST = "tests/search/test_trial_memory.py"
 #: ``--quick`` on a GPU: the limits of the first three steps (issue 47's items 1 and 2), 11 minutes together.
 QUICK_LIMITS_S = (150, 180, 330)
 

@@ -267,10 +267,10 @@ def mutated(m: Mutation) -> str | None:
 # --------------------------------------------------------------------------------------------------- mutations
 RUNTIME = "autotune/_runtime/"
 TRANSFORMS = "autotune/_transforms/"
-ELASTIC = "tests/callbacks/test_elastic.py::"
-STATE = "tests/callbacks/test_elastic_state.py::"
-CONTRACT = "tests/callbacks/test_elastic_contract.py::"
-SHAPES = "tests/callbacks/test_elastic_shapes.py::"
+ELASTIC = "tests/runtime/test_replay.py::"
+STATE = "tests/runtime/test_state_restored.py::"
+CONTRACT = "tests/runtime/test_lightning_contract.py::"
+SHAPES = "tests/runtime/test_shapes.py::"
 DIFFER = "tests/runtime/test_ranks_differ.py::"
 POLICY = "tests/runtime/test_policy.py::"
 ENGINE = "ElasticEngine.run_training_step"
@@ -298,7 +298,7 @@ MUTATIONS = (
              (ELASTIC + "test_only_updates_that_create_state_are_copied_and_steady_state_copies_nothing",)),
     Mutation("fsdp2-unsharded-grads-cleared", "an OOM inside an FSDP2 unit's backward replays exactly",
              RUNTIME + "drain.py", "CollectiveDrain.reset", Skip("clear_fsdp_unsharded_grads"),
-             ("tests/callbacks/test_elastic_fsdp.py::"
+             ("tests/runtime/test_fsdp.py::"
               "test_an_oom_inside_a_units_backward_after_some_of_its_gradients_is_replayed_exactly",)),
     Mutation("shape-growth-capped", "a longer batch is never tried beyond twice what ran",
              RUNTIME + "shapes.py", "ShapeModel._fit_probability", FalseTest("self.growth"),
@@ -335,89 +335,89 @@ MUTATIONS = (
               "test_optimizer_offload_under_bf16_true_keeps_the_stochastic_rounding",)),
     Mutation("estimate-reads-values-fallback", "a step the trace without data cannot follow is estimated (real "
              "tensors)", "autotune/_estimate/trace.py", "_trace", Calls("_FakeFailed", "ValueError(text)"),
-             ("tests/test_estimate_reads_values.py::test_a_mixture_of_experts_with_data_dependent_routing_is_"
+             ("tests/estimate/test_reads_values.py::test_a_mixture_of_experts_with_data_dependent_routing_is_"
               "estimated",
-              "tests/test_estimate_reads_values.py::test_any_failure_of_the_trace_without_data_goes_to_real_tensors_"
+              "tests/estimate/test_reads_values.py::test_any_failure_of_the_trace_without_data_goes_to_real_tensors_"
               "and_says_why")),
     Mutation("estimate-extrapolates-each-moment", "a micro-batch extrapolated follows each moment of the step, not the "
              "line through two peaks", "autotune/_estimate/real_path.py", "_on_lines", Returns("", "False"),
-             ("tests/test_estimate_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_ones",)),
+             ("tests/estimate/test_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_ones",)),
     Mutation("estimate-real-path-limits", "a micro-batch whose work is too much for the host is extrapolated",
              "autotune/_estimate/real_path.py", "choose", Assign("why", "None"),
-             ("tests/test_estimate_reads_values.py::test_the_work_of_micro_batches_1_and_2_decides_what_is_traced",
-              "tests/test_estimate_reads_values.py::test_a_micro_batch_whose_work_passes_the_limits_is_extrapolated")),
+             ("tests/estimate/test_reads_values.py::test_the_work_of_micro_batches_1_and_2_decides_what_is_traced",
+              "tests/estimate/test_reads_values.py::test_a_micro_batch_whose_work_passes_the_limits_is_extrapolated")),
     Mutation("estimate-names-inert-settings", "checkpointing layers whose own forward never runs is named, and the "
              "search drops it", "autotune/_estimate/inert.py", "Watch.inert", FalseTest("self._ran"),
-             ("tests/test_estimate_inert.py::test_checkpointing_layers_whose_own_forward_never_runs_is_named",
-              "tests/test_estimate_inert.py::test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target")),
+             ("tests/estimate/test_inert.py::test_checkpointing_layers_whose_own_forward_never_runs_is_named",
+              "tests/estimate/test_inert.py::test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target")),
     Mutation("estimate-grouped-mm-fp32", "transformers' mixtures of experts in fp32 are traced without data",
              "autotune/_compat.py", "allow_grouped_mm_in_any_dtype", Skip("torch.library.register_fake"),
-             ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
+             ("tests/estimate/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[mixtral-none]",)),
     Mutation("estimate-keeps-user-rng", "the estimator's real path leaves the user's random state alone",
              "autotune/_estimate/fake_model.py", "FakeStep.entered", Assign("rng", "contextlib.nullcontext()"),
-             ("tests/test_estimate_reads_values.py::"
+             ("tests/estimate/test_reads_values.py::"
               "test_the_real_path_leaves_the_model_and_the_random_state_alone",)),
     Mutation("estimate-every-parameter-updated", "the real path's answer does not depend on what was traced before",
              "autotune/_estimate/fake_model.py", "FakeStep.fill_grads", FalseTest("p.requires_grad"),
-             ("tests/test_estimate_reads_values.py::"
+             ("tests/estimate/test_reads_values.py::"
               "test_routing_that_leaves_experts_idle_gives_the_same_answer_whatever_was_traced_before",)),
     Mutation("estimate-line-as-the-step-runs", "the line from micro-batches 2 and 4 meets the direct trace",
              "autotune/_estimate/trace.py", "Traces._traced_real", Assign("accumulate", "True"),
-             ("tests/test_estimate_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_"
+             ("tests/estimate/test_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_"
               "ones",)),
     Mutation("estimate-fits-settled-by-a-run", "autotune estimate's 'fits' agrees with a measured run near the budget",
              "autotune/_cli/main.py", "", Assign("SETTLE_BAND", "-1.0"),
-             ("tests/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
+             ("tests/estimate/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
     Mutation("search-estimates-the-largest-batch", "auto micro-batches hold for the longest batch of varying lengths",
              "autotune/_search/memory.py", "SearchEstimator._call", Calls("longest_batch",
                                                                           "longest_batch(self.target, batches=1)"),
-             ("tests/test_search_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
+             ("tests/search/test_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
     Mutation("trials-run-the-longest-batch", "a trial's peak covers the longest batch the search read",
              "autotune/_search/search.py", "_Objective._spec", Keyword("long_batch", "None"),
-             ("tests/test_search_shapes.py::test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_"
+             ("tests/search/test_shapes.py::test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_"
               "infeasible",)),
     Mutation("soft-budget-shrink-gives-the-heap-back", "a step over a CPU budget halves once, not down to the minimum",
              RUNTIME + "microbatch.py", ENGINE, Skip("release_host_memory"),
              (ELASTIC + "test_a_cpu_soft_budget_overshoot_shrinks_once_not_down_to_the_minimum",)),
     Mutation("search-edge-is-a-cost", "a plan whose peak's noise reaches the budget is ranked by its expected speed",
              "autotune/_search/choose.py", "figures", Keyword("overflow_chance", "0.0"),
-             ("tests/test_search_edge.py::test_the_edge_is_a_cost_that_a_safer_plan_can_beat",)),
+             ("tests/search/test_edge.py::test_the_edge_is_a_cost_that_a_safer_plan_can_beat",)),
     Mutation("search-over-the-budget-does-not-fit", "a plan with a run whose every step was over does not fit",
              "autotune/_search/choose.py", "figures", Calls("over_budget_by", "0"),
-             ("tests/test_search_edge.py::test_a_plan_whose_every_step_was_over_the_budget_overflows_often_and_does_"
-              "not_fit", "tests/test_search_choice.py::test_a_plan_over_the_budget_in_a_second_run_is_not_chosen")),
+             ("tests/search/test_edge.py::test_a_plan_whose_every_step_was_over_the_budget_overflows_often_and_does_"
+              "not_fit", "tests/search/test_choice.py::test_a_plan_over_the_budget_in_a_second_run_is_not_chosen")),
     Mutation("search-simplest-among-equals", "of plans measured as fast as the best, the one doing least work is chosen",
              "autotune/_search/choose.py", "choose", Calls("simplest", "ranked[0]"),
-             ("tests/test_search_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
+             ("tests/search/test_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
               "within_noise",)),
     Mutation("search-simpler-plan-measured-again", "a leader that adds work is measured again with a simpler plan",
              "autotune/_search/choose.py", "choose", Skip("contenders.append"),
-             ("tests/test_search_simplest.py::test_a_plan_that_adds_work_is_chosen_only_when_faster_beyond_two_runs_"
+             ("tests/search/test_simplest.py::test_a_plan_that_adds_work_is_chosen_only_when_faster_beyond_two_runs_"
               "noise",)),
     Mutation("search-stopped-simpler-plan-measured-in-full", "a trial stopped early on a busy host is measured in full",
              "autotune/_search/choose.py", "_reopened", Returns("out", "[]"),
-             ("tests/test_search_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
+             ("tests/search/test_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
               "within_noise",
-              "tests/test_search_simplest.py::test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_"
+              "tests/search/test_simplest.py::test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_"
               "again")),
     Mutation("trial-stops-on-its-interval", "a trial is stopped as too slow on its interval, not on a few slow steps",
              "autotune/_search/meter.py", "_decide", FalseTest("MIN_TIMED"),
-             ("tests/test_search_choice.py::test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_"
+             ("tests/search/test_choice.py::test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_"
               "steps",)),
     Mutation("search-measures-the-leader-s-plain-twin", "a plan adding a feature is measured against its plain twin",
              "autotune/_search/twin.py", "measure_twin", Skip("study.enqueue_trial"),
-             ("tests/test_search_simplest.py::test_the_leader_s_plain_twin_is_measured_once_before_choosing",)),
+             ("tests/search/test_simplest.py::test_the_leader_s_plain_twin_is_measured_once_before_choosing",)),
     Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
              "autotune/_search/search.py", "search", Skip("walk_ladder"),
-             ("tests/test_search_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
+             ("tests/search/test_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
     Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
              "autotune/_search/choose.py", "choose", Assign("edge", "False"),
-             ("tests/test_search_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"
+             ("tests/search/test_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"
               "is_over",)),
     Mutation("oneDNN-conv-buffers-measured", "a CPU estimate counts the buffers oneDNN convolutions hold (ConvNeXt)",
              "autotune/_estimate/workspace.py", "Workspace.bytes_of", Calls("_onednn_conv", "False"),
-             ("tests/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
+             ("tests/estimate/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[convnext-none]",)),
     Mutation("cuda-cap-is-the-limit", "without a budget, a CUDA cap set before fit is the limit the runtime works to",
              "callbacks/elastic.py", "ElasticBatchSize._resolve_budget",
@@ -426,18 +426,18 @@ MUTATIONS = (
     Mutation("cuda-meter-reads-nested-stats", "the CUDA meter does not flatten the allocator's statistics each step",
              "autotune/_device/meter.py", "MemoryMeter.peak",
              Returns("cuda_stat", "torch.cuda.max_memory_reserved(self.device)"),
-             ("tests/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
+             ("tests/device/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
     Mutation("auto-out-of-memory-halved", "an 'auto' micro-batch that runs out of memory is tried again at half, "
              "also when a resumed search finds its OOM cached", "autotune/_search/search.py", "_Objective._run",
              Skip("self._auto_ran_out"),
-             ("tests/test_search_auto.py::"
+             ("tests/search/test_auto.py::"
               "test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",
-              "tests/test_search_auto.py::test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_"
+              "tests/search/test_auto.py::test_a_resumed_search_meets_its_earlier_out_of_memory_auto_in_the_cache_"
               "and_halves_from_there")),
     Mutation("cuda-trials-calibrate", "on CUDA a measured trial corrects its shape's 'auto' (context, fragmentation)",
              "autotune/_search/memory.py", "SearchEstimator.calibrate",
              Prepend("if self.device.type == 'cuda':\n    return False"),
-             ("tests/test_search_choice.py::"
+             ("tests/search/test_choice.py::"
               "test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_its_trials",)),
     Mutation("cuda-split-learns-tensors", "on CUDA the shape model and growth learn from the tensors' peak, not the "
              "allocator's cached reserve", RUNTIME + "microbatch.py", "ElasticEngine._peaks",
@@ -445,7 +445,7 @@ MUTATIONS = (
              (SHAPES + "test_on_cuda_the_shape_model_learns_from_the_tensors_peak_not_the_allocators_cache",)),
     Mutation("per-sample-lists-cut", "a per-sample list (a target tensor or dict per image, NumPy ids) is cut with its "
              "micro-batch", RUNTIME + "batch.py", "slice_batch.per_sample", Calls("_is_per_sample", "False"),
-             ("tests/callbacks/test_batch.py::test_per_sample_lists_of_any_kind_are_cut",
+             ("tests/runtime/test_batch.py::test_per_sample_lists_of_any_kind_are_cut",
               ELASTIC + "test_batch_structures[lists]")),
     Mutation("logged-batch-size-is-the-samples", "epoch means weigh a step by the samples of the micro-batches that "
              "logged", RUNTIME + "logbuffer.py", "LogBuffer.flush",
@@ -465,11 +465,11 @@ MUTATIONS = (
              (SHAPES + "test_the_h200_real_memory_run_played_splits_near_the_fewest_micro_batches[400]",)),
     Mutation("cuda-context-measured", "on CUDA a shape not measured starts from the context a trial measured",
              "autotune/_search/memory.py", "SearchEstimator.measured_context", FalseTest("self.baseline"),
-             ("tests/test_search_context.py::"
+             ("tests/search/test_context.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",
              "autotune/_search/search.py", "_Objective._run", Skip("self.estimator.measured_context"),
-             ("tests/test_search_context.py::"
+             ("tests/search/test_context.py::"
               "test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_study",)),
     Mutation("update-prepared-once-per-attempt", "L-BFGS: the host copy is taken before the first closure evaluation",
              RUNTIME + "update.py", "UpdateGuard.prepare", FalseTest("self._prepared"),
@@ -491,13 +491,13 @@ MUTATIONS = (
              (CONTRACT + "test_a_batch_without_tensors_is_split_by_its_per_sample_lists",)),
     Mutation("norm-stats-kept-in-recompute", "a checkpointed block's recompute does not count in BatchNorm's stats",
              TRANSFORMS + "blocks.py", "forward", Assign("contexts", "{}"),
-             ("tests/test_clients.py::test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload",)),
+             ("tests/estimate/test_clients.py::test_a_client_model_trains_the_same_with_checkpointing_and_activation_offload",)),
     Mutation("checkpoint-wrapper-bound-to-its-block", "a copy of a checkpointed model computes with its own weights",
              TRANSFORMS + "blocks.py", "checkpoint_blocks", Assign("bound", "False"),
              ("tests/callbacks/test_apply_plan.py::test_a_copy_of_a_checkpointed_model_computes_with_its_own_weights",)),
     Mutation("encoder-and-decoder-layers-join", "an encoder-decoder's two kinds of layer are both checkpointed",
              TRANSFORMS + "blocks.py", "find_blocks", FalseTest("authors"),
-             ("tests/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
+             ("tests/estimate/test_clients.py::test_an_encoder_decoder_s_two_kinds_of_layer_are_both_blocks",)),
     Mutation("tuned-file-lists-callbacks-first", "a bad value anywhere in a tuned file is one line under LightningCLI",
              "autotune/_plan/plan.py", "Plan.tuned_document",
              Returns("ELASTIC", "{'trainer': {**trainer, 'callbacks+': [{'class_path': ELASTIC, 'init_args': "
@@ -508,19 +508,19 @@ MUTATIONS = (
              ("tests/callbacks/test_lightning_cli.py::test_each_bad_value_under_lightning_cli_is_at_most_three_lines",)),
     Mutation("dash-values-attached", "`--budget -1GiB` gets our budget message, not argparse's",
              "autotune/_cli/main.py", "main", Calls("_attach_dash_values", "argv"),
-             ("tests/test_cli.py::test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses",)),
+             ("tests/cli/test_cli.py::test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses",)),
     Mutation("step-work-recompute-phase", "the step-time model counts checkpointing's recomputation apart",
              "autotune/_estimate/work.py", "WorkCounter.record", Assign("phase", "self.phase"),
-             ("tests/test_step_time.py::test_the_flops_of_a_known_step_are_counted_exactly_by_phase",)),
+             ("tests/estimate/test_step_time.py::test_the_flops_of_a_known_step_are_counted_exactly_by_phase",)),
     Mutation("step-time-host-link", "offloaded activations cost host-link time, more over a slower link",
              "autotune/_estimate/step_time.py", "_Accumulator.add", Drop("self.parts['host link']"),
-             ("tests/test_step_time.py::test_what_if_rankings_whose_order_is_certain",)),
+             ("tests/estimate/test_step_time.py::test_what_if_rankings_whose_order_is_certain",)),
     Mutation("calibration-per-bound", "trials of known efficiencies give them back, bound by bound",
              "autotune/_estimate/calibration.py", "fit_efficiency", Assign("u", "np.ones(len(used))"),
-             ("tests/test_step_time_calibration.py::test_trials_of_known_efficiencies_give_them_back",)),
+             ("tests/estimate/test_step_time_calibration.py::test_trials_of_known_efficiencies_give_them_back",)),
     Mutation("search-stops-within-the-models-error", "the search stops only when no plan can win by the model's error",
              "autotune/_search/confirm.py", "StopWhenConfirmed.__call__", Assign("margin", "1"),
-             ("tests/test_search_confirm.py::"
+             ("tests/search/test_confirm.py::"
               "test_the_search_stops_once_no_unmeasured_plan_can_beat_the_best_by_the_models_error",)),
 )
 

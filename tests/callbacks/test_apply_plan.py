@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from autotune._transforms.blocks import checkpoint_blocks, find_blocks, select_blocks
 from autotune.callbacks import ApplyPlan, ElasticBatchSize, apply_plan
-from tests.callbacks.toy import trainer
+from tests.support.toy import trainer
 
 
 class Block(nn.Module):
@@ -239,7 +239,7 @@ def test_checkpointing_and_offload_save_cuda_memory() -> None:
     reason="needs a CUDA device and torchao")])])
 def offload_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "cpu":
-        from tests.callbacks.offload_standin import HostOffload
+        from tests.support.offload_standin import HostOffload
 
         optim = types.ModuleType("torchao.optim")
         optim.CPUOffloadOptimizer = HostOffload  # type: ignore[attr-defined]
@@ -328,7 +328,7 @@ def test_optimizer_offload_under_bf16_true_keeps_the_stochastic_rounding(monkeyp
     # update on the host copies (on an H200 the offload rebuilt the wrapper's class and every such trial crashed)
     import torchao.optim
 
-    from tests.callbacks.offload_standin import HostOffload
+    from tests.support.offload_standin import HostOffload
 
     monkeypatch.setattr(torchao.optim, "CPUOffloadOptimizer", HostOffload)
     monkeypatch.setattr(apply_plan, "_check_optimizer_offload", lambda trainer: None)

@@ -15,11 +15,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from autotune import Plan
 from autotune._transforms.shard import sharding_units
 from autotune.callbacks import ApplyPlan
-from tests.callbacks.toy import ToyModel, trainer
-from tests.ranks import run_ranks
+from tests.support.toy import ToyModel, trainer
+from tests.support.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("fsdp_run.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fsdp_run.py"
 
 
 def run_gpt(tmp: Path, mode: str, *args: str) -> list[dict]:

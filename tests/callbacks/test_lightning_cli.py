@@ -129,7 +129,7 @@ def test_each_bad_value_under_lightning_cli_is_at_most_three_lines(tmp_path: Pat
     bad.write_text((GPT / "config.yaml").read_text().replace("grow_after: 10", "grow_after: 0"))
     cases[-1] = ["fit", "--config", str(bad), "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run = subprocess.run([sys.executable, str(ROOT / "tests/callbacks/cli_errors_run.py"), str(GPT / "train.py"),
+    run = subprocess.run([sys.executable, str(ROOT / "tests/support/cli_errors_run.py"), str(GPT / "train.py"),
                           str(tmp_path / "cases.json")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     first, *rest = run.stdout.splitlines()
     results = [*json.loads(first), {"status": run.returncode, "output": "\n".join(rest) + run.stderr}]

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from autotune import OutOfMemoryAtMinimumError
 from autotune.callbacks import ElasticBatchSize, MemoryMonitor
-from tests.callbacks.toy import ToyModel, fit, loader, trainer
+from tests.support.toy import ToyModel, fit, loader, trainer
 
 MB = 2**20
 GIB = 2**30

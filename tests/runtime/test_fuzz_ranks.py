@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
-SCRIPT = Path(__file__).with_name("fuzz_ranks_run.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fuzz_ranks_run.py"
 MODELS = ("mlp", "buffer", "batchnorm", "normaliser", "collective", "bert")
 #: Scenarios per strategy in one CI run (``--fuzz-scenarios`` overrides).
 DEFAULT_SCENARIOS = {"ddp": 14, "fsdp": 8}

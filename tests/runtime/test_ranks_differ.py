@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ranks import RanksHung, run_ranks
+from tests.support.ranks import RanksHung, run_ranks
 from tests.runtime.test_fuzz_ranks import check
 
-SCRIPT = Path(__file__).with_name("fuzz_ranks_run.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fuzz_ranks_run.py"
 DEFAULTS: dict[str, Any] = {}  # ElasticBatchSize() as a new user writes it
 
 
