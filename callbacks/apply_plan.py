@@ -22,7 +22,7 @@ from autotune._runtime.blocks import checkpoint_blocks, compile_blocks, offload_
 from autotune._runtime.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
 from autotune._runtime.shard import shard_model
 from autotune._runtime.sync import fsdp_modules
-from autotune._compat import set_activation_memory_budget, set_cuda_allocator_settings
+from autotune._compat.torch import set_activation_memory_budget, set_cuda_allocator_settings
 from autotune._runtime.optim_state import INSTALL_HINT as TORCHAO_HINT, LowBitOptimizer, low_bit_optimizers
 from autotune._plan.plan import Plan, Provenance
 
