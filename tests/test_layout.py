@@ -241,8 +241,9 @@ def test_the_private_api_check_sees_what_compat_does() -> None:
     for module, expected in (
             ("torch", "import from torch.distributed._tools.mem_tracker"), ("lightning", "trainer._logger_connector"),
             ("torch", "torch.nn.modules.batchnorm._BatchNorm"), ("lightning", "string '_current_fx_name'"),
-            ("optuna", "study._storage"), ("torch", "overrides _update_peak_stats"), ("torch", "overrides _update_snap"),
-            ("torch", "tracker._curr_mem_snap"), ("torchao", "offload.param_d2h_map"), ("torchao", "torchao.optim._AdamW"),
+            ("optuna", "study._storage"), ("torch", "overrides _update_peak_stats"),
+            ("torch", "overrides _update_snap"), ("torch", "tracker._curr_mem_snap"),
+            ("torchao", "offload.param_d2h_map"), ("torchao", "torchao.optim._AdamW"),
             ("torchmetrics", "metric._defaults"), ("fsdp", "module._get_fsdp_state"),
             ("torch", "import from torch._meta_registrations")):
         assert expected in found[module], (module, expected)
