@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from autotune._compat import set_activation_memory_budget, set_cuda_allocator_settings
+from autotune._compat.torch import set_activation_memory_budget, set_cuda_allocator_settings
 from autotune._plan.plan import Plan
 from autotune._plan.provenance import Provenance
 from autotune._runtime.sync import fsdp_modules

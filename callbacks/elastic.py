@@ -17,7 +17,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from autotune._compat import BATCH_TRANSFER_HANDLER, batch_transfer_handler, is_batch_norm, logs_written_this_step
+from autotune._compat.lightning import BATCH_TRANSFER_HANDLER, batch_transfer_handler, logs_written_this_step
+from autotune._compat.torch import is_batch_norm
 from autotune._device.budget import Budget, format_bytes
 from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine

@@ -12,12 +12,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from autotune._compat import (
-    dump_cuda_memory_snapshot,
-    logs_written_this_step,
-    record_cuda_memory_history,
-    stop_cuda_memory_history,
-)
+from autotune._compat.lightning import logs_written_this_step
+from autotune._compat.torch import dump_cuda_memory_snapshot, record_cuda_memory_history, stop_cuda_memory_history
 from autotune._device.budget import format_bytes
 from autotune._device.meter import MemoryMeter, current_host_bytes, current_rss_bytes, peak_rss_bytes
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error

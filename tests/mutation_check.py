@@ -326,7 +326,7 @@ MUTATIONS = (
     Mutation("vote-after-an-oom-before-the-closure", "an OOM in an optimizer pre-hook meets its peers in the vote",
              RUNTIME + "microbatch.py", "ElasticEngine._failure_of", Calls("self._vote", "self._local(failure)"),
              (DIFFER + "test_ranks_that_differ_end_exact[7]",)),
-    Mutation("private-api-only-in-compat", "only _compat.py reaches into private upstream API",
+    Mutation("private-api-only-in-compat", "only _compat/ reaches into private upstream API",
              RUNTIME + "events.py", "", Append("def _peek(trainer):\n    return trainer.fit_loop._data_fetcher\n"),
              ("tests/test_layout.py::test_only_compat_reaches_into_private_upstream_api",)),
     Mutation("offload-keeps-stochastic-rounding", "optimizer offload under bf16-true runs torchao's rounding update",
@@ -351,7 +351,7 @@ MUTATIONS = (
              ("tests/estimate/test_inert.py::test_checkpointing_layers_whose_own_forward_never_runs_is_named",
               "tests/estimate/test_inert.py::test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target")),
     Mutation("estimate-grouped-mm-fp32", "transformers' mixtures of experts in fp32 are traced without data",
-             "autotune/_compat.py", "allow_grouped_mm_in_any_dtype", Skip("torch.library.register_fake"),
+             "autotune/_estimate/fake_rules.py", "allow_grouped_mm_in_any_dtype", Skip("register_grouped_mm_fake"),
              ("tests/estimate/test_clients.py::test_a_client_model_s_cpu_estimate_is_within_the_published_accuracy"
               "[mixtral-none]",)),
     Mutation("estimate-keeps-user-rng", "the estimator's real path leaves the user's random state alone",

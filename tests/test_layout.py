@@ -139,12 +139,14 @@ def test_benchmarks_and_examples_use_public_api_only() -> None:
     assert private == []
 
 
-#: Upstream packages whose private API only ``autotune/_compat.py`` may use.
+#: The folder whose modules alone may use private upstream API (one module per upstream).
+COMPAT = ROOT / "autotune" / "_compat"
+#: Upstream packages whose private API only ``autotune/_compat/`` may use.
 UPSTREAM = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "torchao", "optuna")
-#: Private names of upstream objects that autotune uses, all behind functions in ``autotune/_compat.py``: elsewhere,
+#: Private names of upstream objects that autotune uses, all behind functions in ``autotune/_compat/``: elsewhere,
 #: ``<expr>.<name>`` on anything but ``self``/``cls`` (our own classes have private attributes too), a string that is
 #: exactly ``<name>`` (``getattr``, patching) and an import of ``<name>`` are flagged. Add a name here when
-#: ``_compat.py`` gets a new access.
+#: ``_compat/`` gets a new access.
 UPSTREAM_PRIVATE_NAMES = frozenset({
     # torch
     "_version", "_cdata", "_parameters", "_buffers", "_post_accumulate_grad_hooks", "_BatchNorm", "_opt_called",
@@ -161,7 +163,9 @@ UPSTREAM_PRIVATE_NAMES = frozenset({
     "_storage", "_trial_id", "_backend", "_file_path",
 })
 #: Upstream internals reached through ``self`` (a subclass of an upstream class): flagged on ``self`` too.
-UPSTREAM_SUBCLASS_INTERNALS = frozenset({"_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_update_peak_stats"})
+UPSTREAM_SUBCLASS_INTERNALS = frozenset({"_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_update_peak_stats",
+                                         "_update_snap", "_track_module_params_and_buffers",
+                                         "_param_to_grad_hook_handles"})
 #: Undocumented attributes of torchao's ``CPUOffloadOptimizer`` (not underscored; distinctive enough to flag).
 UPSTREAM_INTERNALS = frozenset({"param_d2h_map", "optim_dict", "d_opt"})
 
@@ -228,18 +232,32 @@ def _private_upstream_uses(path: Path, own: frozenset[str] = frozenset()) -> lis
 
 
 def test_only_compat_reaches_into_private_upstream_api() -> None:
-    compat, own = ROOT / "autotune" / "_compat.py", _own_private_names()
-    found = [use for path in _modules().values() if path != compat for use in _private_upstream_uses(path, own)]
-    assert found == [], "private upstream API outside autotune/_compat.py (add a function there): " + "; ".join(found)
+    own = _own_private_names()
+    found = [use for path in _modules().values() if not path.is_relative_to(COMPAT)
+             for use in _private_upstream_uses(path, own)]
+    assert found == [], "private upstream API outside autotune/_compat/ (add a function there): " + "; ".join(found)
 
 
 def test_the_private_api_check_sees_what_compat_does() -> None:
-    # The check above is only as good as its lists: run on _compat.py itself, it must see every kind of access.
-    found = "\n".join(_private_upstream_uses(ROOT / "autotune" / "_compat.py"))
-    for expected in ("import from torch.distributed._tools.mem_tracker", "trainer._logger_connector",
-                     "torch.nn.modules.batchnorm._BatchNorm", "string '_current_fx_name'", "study._storage",
-                     "overrides _update_peak_stats", "self._curr_mem_snap", "offload.param_d2h_map"):
-        assert expected in found
+    # The check above is only as good as its lists: run on each module of _compat/, it must see every kind of access.
+    found = {path.stem: "\n".join(_private_upstream_uses(path)) for path in sorted(COMPAT.glob("*.py"))}
+    for module, expected in (
+            ("torch", "import from torch.distributed._tools.mem_tracker"), ("lightning", "trainer._logger_connector"),
+            ("torch", "torch.nn.modules.batchnorm._BatchNorm"), ("lightning", "string '_current_fx_name'"),
+            ("optuna", "study._storage"), ("torch", "overrides _update_peak_stats"),
+            ("torch", "overrides _update_snap"), ("torch", "tracker._curr_mem_snap"),
+            ("torchao", "offload.param_d2h_map"), ("torchao", "torchao.optim._AdamW"),
+            ("torchmetrics", "metric._defaults"), ("fsdp", "module._get_fsdp_state"),
+            ("torch", "import from torch._meta_registrations")):
+        assert expected in found[module], (module, expected)
+
+
+def test_the_private_api_check_sees_a_subclass_of_memtracker_outside_compat(tmp_path: Path) -> None:
+    module = tmp_path / "estimate_module.py"
+    module.write_text("class Tracker(Base):\n    def _update_snap(self, flag, winfo):\n"
+                      "        return self._param_to_grad_hook_handles\n")
+    uses = _private_upstream_uses(module, _own_private_names())
+    assert [use.split(": ", 1)[1] for use in uses] == ["overrides _update_snap", "self._param_to_grad_hook_handles"]
 
 
 @pytest.mark.parametrize("access", ["trainer.fit_loop._data_fetcher", "trainer.strategy._launcher"])

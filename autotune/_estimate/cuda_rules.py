@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autotune._compat import cuda_autocast_ops
+from autotune._compat.torch import cuda_autocast_ops
 
 __all__ = ["CUDA_CONTEXT_BYTES", "CudaAutocast", "cublas_workspace_bytes", "round_cuda"]
 

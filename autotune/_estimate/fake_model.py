@@ -14,14 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._compat import (
-    allow_grouped_mm_in_any_dtype,
-    fake_copy_mode,
-    fake_tensor_mode,
-    precision_input_dtype,
-    trainer_reference,
-)
+from autotune._compat.lightning import precision_input_dtype, trainer_reference
+from autotune._compat.torch import fake_copy_mode, fake_tensor_mode
 from autotune._estimate.cuda_rules import CudaAutocast
+from autotune._estimate.fake_rules import allow_grouped_mm_in_any_dtype
 from autotune._estimate.fake_step import (
     convert_model,
     like_cuda_run,

@@ -14,15 +14,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from autotune._compat import (
-    module_tensor_slots,
-    optimizers_from_config,
-    peak_memory_tracker,
-    set_module_device_dtype,
-    set_trainer_reference,
-    storage_key,
-)
+from autotune._compat.lightning import optimizers_from_config, set_module_device_dtype, set_trainer_reference
+from autotune._compat.torch import module_tensor_slots, storage_key
 from autotune._estimate.cuda_rules import round_cuda
+from autotune._estimate.peak_tracker import peak_tracker
 from autotune._estimate.sharding import shard_numel
 from autotune._estimate.work import WorkCounter
 from autotune._estimate.workspace import Workspace
@@ -55,7 +50,7 @@ def step_tracker(*, cuda_rules: bool = False, work_on: str | None = None, counte
                 count[0] += int(formula(*args, **(kwargs or {}), out_val=out))
         return workspace.bytes_of(func, args, kwargs, out)
 
-    tracker = peak_memory_tracker(extra, round_cuda if cuda_rules else None, timeline_device=work_on)
+    tracker = peak_tracker(extra, round_cuda if cuda_rules else None, timeline_device=work_on)
     tracker.workspace = workspace
     tracker.flop_count = count
     return tracker

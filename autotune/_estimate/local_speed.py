@@ -204,7 +204,7 @@ def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None
     seconds per head that fit both shapes (a CPU's bf16 backward takes far longer per head than its FLOPs say)."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    from autotune._compat import attention_flops
+    from autotune._compat.torch import sdpa_backward_flops, sdpa_flops
 
     timed: dict[str, list[tuple[int, float, float]]] = {"forward": [], "backward": []}
     for heads, length, width in _ATTENTION_SHAPES["cuda" if device.type == "cuda" else "cpu"]:
@@ -217,7 +217,7 @@ def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None
         def both(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
             scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-        flops = attention_flops(q.shape, k.shape, v.shape)
+        flops = (sdpa_flops(q.shape, k.shape, v.shape), sdpa_backward_flops(q.shape, q.shape, k.shape, v.shape))
         seconds = _best(forward, sync, repeats=3)
         timed["forward"].append((heads, flops[0] / 2, seconds))
         timed["backward"].append((heads, flops[1] / 2, max(_best(both, sync, repeats=3) - seconds, 1e-9)))
@@ -240,7 +240,7 @@ def _host_seconds_per_operator(device: torch.device, sync: Callable[[], None]) -
     counts a traced step's: views and allocations too), so the modules' Python and autograd's bookkeeping are in it."""
     from torch import nn
 
-    from autotune._compat import operator_recorder
+    from autotune._compat.torch import operator_recorder
     from autotune._estimate.work import WorkCounter
 
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(6)))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
-from autotune._compat import mem_ref_types
+from autotune._compat.torch import mem_ref_types
 from autotune._device.budget import format_bytes
 from autotune._device.probe import DeviceSpec
 from autotune._estimate import real_path

@@ -15,7 +15,8 @@ that the trace does not run (:class:`~autotune._estimate.fake_step.LowBitStandIn
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import math
 
 import torch
 
-from autotune._compat import flop_formulas
+from autotune._compat.torch import flop_registry, sdpa_backward_flops, sdpa_flops
 
 __all__ = ["OpWork", "StepWork", "WorkCounter", "low_bit_update"]
 
@@ -93,6 +94,27 @@ class StepWork:
     def model_flops_per_sample(self) -> float:
         """FLOPs of the forward and backward per sample, without recomputation: what an MFU counts."""
         return self.flops("forward", "backward") / self.micro_batch_size
+
+
+@functools.cache
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """torch's FLOP formulas by aten op packet (:func:`~autotune._compat.torch.flop_registry`; each takes the op's
+    arguments and ``out_val``), with the CPU flash-attention kernels, which it lacks, counted as the CUDA ones; built
+    once per process."""
+    aten = torch.ops.aten
+
+    def cpu_flash(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        return sdpa_flops(query.shape, key.shape, value.shape)
+
+    def cpu_flash_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        return sdpa_backward_flops(grad.shape, query.shape, key.shape, value.shape)
+
+    formulas = flop_registry()
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", cpu_flash),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", cpu_flash_backward)):
+        if hasattr(aten, name):
+            formulas[getattr(aten, name)] = formula
+    return formulas
 
 
 class WorkCounter:

@@ -74,7 +74,7 @@ class Workspace:
 def _onednn_conv(func: Any, args: Sequence[Any]) -> bool:
     """Whether a CPU convolution (forward or backward) runs in oneDNN, whose scratchpads depend on the kernel it
     picks for the ISA and layout (a channels-last 7x7 depthwise backward holds about 50 KiB per channel here)."""
-    from autotune._compat import conv_backend_name
+    from autotune._compat.torch import conv_backend_name
 
     aten = torch.ops.aten
     if func is aten.convolution.default:
@@ -102,7 +102,7 @@ def measured_workspace(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | 
     measured: the first may fill caches (oneDNN's primitives) that every later call reuses."""
     from torch.profiler import ProfilerActivity, profile
 
-    from autotune._compat import outside_dispatch_modes
+    from autotune._compat.torch import outside_dispatch_modes
 
     with outside_dispatch_modes():
         real = [_real_like(a) for a in args]
@@ -149,7 +149,7 @@ def cpu_conv_workspace(func: Any, args: Sequence[Any], out: Any) -> int:
     of ``batch x C_in x kh x kw x H_out x W_out`` in forward and in backward; oneDNN (``Mkldnn``) holds a copy of
     the output in forward, and of the output's gradient and the input's gradient in backward.
     """
-    from autotune._compat import conv_backend_name
+    from autotune._compat.torch import conv_backend_name
 
     aten = torch.ops.aten
     if func not in (aten.convolution.default, aten.convolution_backward.default) or args[0].device.type != "cpu":

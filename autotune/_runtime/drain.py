@@ -30,13 +30,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from autotune._compat import (
-    clear_fsdp_unsharded_grads,
-    default_store,
-    fsdp_comms,
-    fsdp_is_root,
-    process_group_named,
-)
+from autotune._compat.fsdp import clear_fsdp_unsharded_grads, fsdp_comms, fsdp_is_root
+from autotune._compat.torch import default_store, process_group_named
 from autotune._runtime.agreement import Agreement
 from autotune._runtime.state import release_memory
 

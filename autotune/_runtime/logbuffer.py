@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import current_hook_name, set_current_hook_name
+from autotune._compat.lightning import current_hook_name, set_current_hook_name
 
 _MEAN = ("mean", "avg")
 

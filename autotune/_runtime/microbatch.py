@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from autotune._compat import closure_extra, forget_scaler_steps, set_closure_loss, wrap_zero_grad
+from autotune._compat.lightning import closure_extra, set_closure_loss, wrap_zero_grad
+from autotune._compat.torch import forget_scaler_steps
 from autotune._device.meter import MemoryMeter, release_host_memory
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
 from autotune._runtime.agreement import HEADER, Agreement, Failure, PeerOutOfMemory, StepFailed, Verdict

@@ -12,9 +12,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autotune._compat import (
-    copy_tensors, is_norm_with_running_stats, metric_state_names, module_tensor_slots, tensor_version, tensor_versions,
+from autotune._compat.torch import (
+    copy_tensors,
+    is_norm_with_running_stats,
+    module_tensor_slots,
+    tensor_version,
+    tensor_versions,
 )
+from autotune._compat.torchmetrics import metric_state_names
 
 log = logging.getLogger("autotune")
 

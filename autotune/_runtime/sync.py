@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autotune._compat import ddp_buffers_due, set_ddp_buffers_due, sync_ddp_buffers
+from autotune._compat.torch import ddp_buffers_due, set_ddp_buffers_due, sync_ddp_buffers
 
 
 def fsdp_modules(model: torch.nn.Module | None) -> list[Any]:

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autotune._compat import enqueued_params
+from autotune._compat.optuna import enqueued_params
 from autotune._plan.plan import Plan
 from autotune._search.speed import modelled_dimensions
 

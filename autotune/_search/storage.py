@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from autotune._compat import journal_file_path, study_storage, trial_id
+from autotune._compat.optuna import journal_file_path, study_storage, trial_id
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
 HEARTBEAT_SECONDS = 2

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autotune._compat import is_norm_with_running_stats
+from autotune._compat.torch import is_norm_with_running_stats
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

@@ -23,15 +23,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from autotune._compat import (
-    mark_optimizer_stepped,
+from autotune._compat.torch import mark_optimizer_stepped, post_accumulate_grad_hooks
+from autotune._compat.torchao import (
     offload_device_optimizer,
     offload_device_type,
     offload_grad_queue,
     offload_host_copies,
     offload_host_optimizers,
     offload_stream,
-    post_accumulate_grad_hooks,
 )
 
 #: Parameters with fewer elements keep their optimizer on the device (many small transfers cost more than they save).

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from autotune._compat import mark_optimizer_stepped, torchao_bf16_adamw
+from autotune._compat.torch import mark_optimizer_stepped
+from autotune._compat.torchao import torchao_bf16_adamw
 from autotune._transforms.offload import INSTALL_HINT, set_hyperparameters
 
 __all__ = ["OPTIMIZER_STATES", "LowBitOptimizer", "low_bit_optimizers", "real_state_bytes", "replacement", "replaces",
