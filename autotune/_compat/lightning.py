@@ -46,11 +46,12 @@ def set_current_hook_name(module: Any, name: str | None) -> None:
 
 
 def set_closure_loss(closure: Any, total: Any, *, extra: Any = None) -> None:
-    """Make Lightning's automatic-optimization closure report ``total``, the whole batch's loss (the sum of the
-    weighted micro-batch losses), and ``extra`` (the other keys ``training_step`` returned, put together from the
-    micro-batches; None: the last call's) to the loop: ``Closure._result`` (a ``ClosureResult``) is replaced by a new
-    ``lightning.pytorch.loops.optimization.automatic.ClosureResult``; nothing where the closure has no result or
-    ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's
+    """Make Lightning's automatic-optimization closure report the whole batch's loss to the loop.
+
+    ``total`` is the sum of the weighted micro-batch losses; ``extra`` holds the other keys ``training_step`` returned,
+    put together from the micro-batches (None: keep the last call's). ``Closure._result`` (a ``ClosureResult``) is
+    replaced by a new ``lightning.pytorch.loops.optimization.automatic.ClosureResult``. Nothing is done where the
+    closure has no result or ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's
     loss, or fail."""
     from lightning.pytorch.loops.optimization.automatic import ClosureResult
 

@@ -2,9 +2,8 @@
 
 On the host the budget's measure is the process's memory net of file-backed pages: its resident set (RSS) less
 the pages of the files it has mapped (torch's shared libraries above all). Those pages are shared with every other
-process mapping the same files and the kernel drops them under pressure, and how many of them a process has mapped
-depends on the page cache rather than on the plan: the same plan's RSS moved by 40-60 MiB between two installs of the
-same packages (see docs/troubleshooting.md). What is left, anonymous and shared-memory pages, is what the process
+process mapping the same files, and the kernel drops them under pressure. How many of them a process has mapped
+depends on the page cache rather than on the plan (docs/elastic.md gives a measured example). What is left, anonymous and shared-memory pages, is what the process
 allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in shared memory. The kernel
 keeps no peak of those alone: :func:`peak_host_bytes` says how close the peak read here comes.
 """
@@ -102,11 +101,12 @@ def current_host_bytes() -> int:
 
 
 def release_host_memory() -> bool:
-    """Give the C allocator's free memory back to the system (glibc's ``malloc_trim(0)``, which also releases free
-    pages inside the heap). glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as large blocks
-    are freed) resident for the next allocation, so a process's resident set never shrinks by itself: after a step
-    over a CPU budget, the next and smaller step would be measured at what the larger one left, over the budget
-    again. Returns whether it could (False where the C library has no ``malloc_trim``: not glibc)."""
+    """Give the C allocator's free memory back to the system.
+
+    It calls glibc's ``malloc_trim(0)``, which also releases free pages inside the heap. glibc keeps freed blocks
+    under its mmap threshold (which rises as large blocks are freed) resident for the next allocation, so a process's
+    resident set never shrinks by itself. Without this, after a step over a CPU budget, the next and smaller step
+    would be measured at what the larger one left, over the budget again. Returns whether it could (False where the C library has no ``malloc_trim``: not glibc)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
         import ctypes
@@ -128,11 +128,12 @@ def peak_host_bytes() -> int:
     """This process's peak memory net of file-backed pages, since the peak's last reset: Linux ``VmHWM - RssFile``.
 
     ``VmHWM`` is the peak resident set, file pages included; the file pages resident now are subtracted. Its error is
-    the change in resident file pages between the moment of the peak and now: pages mapped after the peak (code run for
-    the first time, the pages of a memory-mapped dataset read later in the step) make it report that much less, pages
-    unmapped or reclaimed after the peak that much more (never more than the peak resident set). A process keeps its
-    libraries' code mapped once it has run it, so with the peak reset at each step's start, after the first steps and
-    with data that is not memory-mapped this is the peak of the anonymous and shared-memory pages. The peak resident set
+    the change in resident file pages between the moment of the peak and now. Pages mapped after the peak (code run
+    for the first time, the pages of a memory-mapped dataset read later in the step) make it report that much less.
+    Pages unmapped or reclaimed after the peak make it report that much more (never more than the peak resident set).
+    A process keeps its libraries' code mapped once it has run it. So, with the peak reset at each step's start, after
+    the first steps and with data that is not memory-mapped, this is the peak of the anonymous and shared-memory
+    pages. The peak resident set
     size where the kernel does not split it.
     """
     fields = _status("VmHWM", "RssFile")

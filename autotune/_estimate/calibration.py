@@ -1,15 +1,18 @@
-"""Calibration of the step-time model for one target on one device: an efficiency per bound (compute, memory, host
-link, interconnect, launch), fitted from the trials measured so far, and how far the model has been off.
+"""Fit the step-time model to one target on one device from the trials measured so far.
 
-A step's predicted time is linear in the inverse efficiencies: ``T = sum_k x_k / e_k`` over the bounds' seconds at
-efficiency 1 (on CUDA, over the host's launches or the device's work, whichever is longer at the prior efficiencies:
-:meth:`~autotune._estimate.step_time.StepParts.active`). The fit first takes one common scale (what a single trial
-can say: this target runs at ``s`` times the prediction), then lets each bound depart from it as far as the trials
-tell bounds apart: least squares on the relative errors, with a pull of weight :data:`PULL` towards the common scale
-(so a bound no trial exercised keeps the prior's proportion to the others). Each efficiency stays within a factor of
-:data:`LIMIT` of the prior's scaled value. The error reported is the median, over the measured trials, of each one's
-relative error in samples/s when predicted from the others (the first trial's from the prior): what the next
-prediction may be off by.
+The fit gives an efficiency per bound (compute, memory, host link, interconnect, launch) and how far the model has
+been off. A step's predicted time is linear in the inverse efficiencies: ``T = sum_k x_k / e_k`` over the bounds'
+seconds at efficiency 1. On CUDA the sum runs over the host's launches or the device's work, whichever is longer at
+the prior efficiencies (:meth:`~autotune._estimate.step_time.StepParts.active`).
+
+The fit first takes one common scale, which is what a single trial can say: this target runs at ``s`` times the
+prediction. It then lets each bound depart from that scale as far as the trials tell bounds apart: least squares on
+the relative errors, with a pull of weight :data:`PULL` towards the common scale. So a bound no trial exercised keeps
+the prior's proportion to the others. Each efficiency stays within a factor of :data:`LIMIT` of the prior's scaled
+value.
+
+The error reported is what the next prediction may be off by. It is the median, over the measured trials, of each
+one's relative error in samples/s when predicted from the others (the first trial's from the prior).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CUDA's memory rules, for estimates of a CUDA device made with or without one (a *what-if* estimate).
+"""Apply CUDA's memory rules to an estimate of a CUDA device, made with or without one (a *what-if* estimate).
 
 A what-if estimate (``device="cuda"`` on a machine without CUDA) traces the step on fake CPU tensors and applies what
 a CUDA run does differently:
@@ -6,12 +6,12 @@ a CUDA run does differently:
 - **Allocator rounding**: the caching allocator rounds every allocation up to a 512-byte block; the tracker rounds
   each storage (:func:`round_cuda`), as it does for CUDA tensors. The estimate is of what
   ``torch.cuda.max_memory_allocated`` reports. The allocator's *reserve* is larger by the free space of its segments
-  (2 MiB segments for requests up to 1 MiB, 20 MiB or the request rounded to 2 MiB above): that fragmentation depends
-  on the order of allocations, is not estimated, and ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the plan's
-  ``allocator``) removes most of it.
-- **Autocast's CUDA op lists** (:class:`CudaAutocast`): under ``*-mixed`` CUDA runs matrix products, convolutions
-  and attention in the low dtype and norms, softmax, losses and pointwise ``exp``/``pow``/``rsqrt``... in fp32, which
-  decides what the forward saves for backward. CPU autocast's lists differ (it keeps ``layer_norm`` and ``softmax``
+  (2 MiB segments for requests up to 1 MiB, 20 MiB or the request rounded to 2 MiB above). That fragmentation
+  depends on the order of allocations and is not estimated; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  (the plan's ``allocator``) removes most of it.
+- **Autocast's CUDA op lists** (:class:`CudaAutocast`): which dtype each op runs in decides what the forward saves
+  for backward. Under ``*-mixed``, CUDA runs matrix products, convolutions and attention in the low dtype. It runs
+  norms, softmax, losses and pointwise ``exp``/``pow``/``rsqrt``... in fp32. CPU autocast's lists differ (it keeps ``layer_norm`` and ``softmax``
   in bf16), so they are replaced by CUDA's, read from the dispatcher's ``AutocastCUDA`` registrations.
 - **Kernel workspace**: cuBLAS's workspaces (:func:`cublas_workspace_bytes`) are in the overhead; the CPU's oneDNN
   work buffers are not measured. Other CUDA kernels' scratch (cuDNN convolution workspaces) is not counted.

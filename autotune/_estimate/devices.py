@@ -46,12 +46,11 @@ class DeviceSpeed:
             small products reach less of the peak; none for the table's GPUs).
         attention_flops: FLOP/s of attention kernels where measured, by dtype for the forward (``"bf16"``) and the
             backward (``"bf16 backward"``); else the matrix products' rate.
-        attention_seconds: The fixed cost of an attention kernel per head (batch x heads), keyed alike (a CPU's bf16
-            backward takes about 70 us a head, ten times its forward).
+        attention_seconds: The fixed cost of an attention kernel per head (batch x heads), keyed alike.
         host_memory_bandwidth: Bytes/s of the host's memory, for updates run on the host (optimizer offload).
         memory_bytes: The device's memory (None: not known).
         capability, sm_count, nvml_name: How a GPU present on this machine is matched to this entry (exactly: a near
-            match, an H100 PCIe for an SXM, would be wrong by up to 30%).
+            match, an H100 PCIe for an SXM, would be wrong).
         measured: Whether the figures were measured on this machine (else a datasheet's).
         source: Where the figures come from.
     """

@@ -34,14 +34,14 @@ __all__ = ["BatchSizes", "Estimate", "TargetEstimate", "budget_in_bytes", "defau
 
 @dataclass(frozen=True, kw_only=True)
 class TargetEstimate:
-    """One row of ``autotune estimate``: a plan's estimate at the row's micro-batch against ``budget_bytes``, and
-    the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none does).
+    """One row of ``autotune estimate``: a plan's estimate at the row's micro-batch against ``budget_bytes``.
 
-    ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure: on CPU, where the
-    budget is the process's resident set net of file pages, a measured baseline (see ``autotune estimate``); 0 on CUDA,
-    where the budget caps the allocator as ``ElasticBatchSize`` caps it, the context outside (a search's trials count
-    the context in their peaks, and its predictions add it: docs/search.md). ``peak_bytes`` is the estimate plus it,
-    what the budget is compared with."""
+    It also holds the largest micro-batch in 1..``batch_size`` (the target's batch) predicted to fit (None if none
+    does). ``baseline_bytes`` is what the process holds besides the step's tensors, in the budget's measure. On CPU,
+    where the budget is the process's resident set net of file pages, it is a measured baseline (see ``autotune
+    estimate``). On CUDA it is 0: the budget caps the allocator as ``ElasticBatchSize`` caps it, the context outside.
+    (A search's trials count the context in their peaks, and its predictions add it: docs/search.md.)
+    ``peak_bytes`` is the estimate plus the baseline, what the budget is compared with."""
 
     estimate: Estimate
     batch_size: int
@@ -94,11 +94,11 @@ def estimate(
 ) -> Estimate:
     """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
 
-    Nothing runs on the device and ``model`` is not touched: a copy without data is traced. Where that trace fails (a
-    step that reads tensor values: ``.item()``, a mask checked with ``.all()``, data-dependent routing; an op without
-    a fake rule), a copy with real weights runs on the host instead: at the micro-batch asked up to 4, and where the
-    work of its step (FLOPs, bytes allocated, host memory held: on the line through micro-batches 1 and 2) is within the
-    real path's limits; else each moment of the step is taken from two smaller powers of two to it. The rule is the
+    Nothing runs on the device and ``model`` is not touched: a copy without data is traced. That trace fails on a step
+    that reads tensor values (``.item()``, a mask checked with ``.all()``, data-dependent routing) or on an op without
+    a fake rule. Then a copy with real weights runs on the host instead. It runs at the micro-batch asked up to 4, and
+    where the work of its step is within the real path's limits (FLOPs, bytes allocated, host memory held: on the line
+    through micro-batches 1 and 2). Else each moment of the step is taken from two smaller powers of two to it. The rule is the
     work's, never the clock's: the same answer on a busy host. ``Estimate.method`` and the first of ``Estimate.notes``
     say which and why. CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on either path. A
     checkpointing, compile or offload setting that applies to nothing (blocks whose own forward never runs) is named in
@@ -285,10 +285,11 @@ class BatchSizes:
 
 
 def longest_batch(target: Target, *, batches: int = 32, seconds: float = 10.0) -> tuple[Any, BatchSizes]:
-    """Of the first ``batches`` batches of the target's train dataloader (as many as ``seconds`` allow, one at
-    least), the one with the largest samples (where batches are padded to their longest sequence, or mix
-    resolutions, the one whose micro-batches need the most memory), and the sizes seen; ``TargetError`` if there is
-    no batch."""
+    """Find the batch with the largest samples among the first batches of the target's train dataloader.
+
+    It reads up to ``batches`` batches, as many as ``seconds`` allow, one at least. Where batches are padded to their
+    longest sequence, or mix resolutions, the largest is the one whose micro-batches need the most memory. Returns it
+    and the sizes seen; ``TargetError`` if there is no batch."""
     import statistics
     import time
 

@@ -41,11 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class FakeStep:
-    """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step,
-    kept for every micro-batch traced: the warm-up step that makes the gradients and the optimizer state runs once
-    (a step leaves the same state at any micro-batch: the gradients and the optimizer state of every parameter). A
-    model that keeps Python state from step to step (a step counter, a list it appends to) is traced after as many
-    steps as micro-batches were traced before; a step whose trace fails drops the copy. ``traces``: the
+    """A shape's model and optimizers copied under one ``FakeTensorMode`` with the plan applied, and its training step.
+
+    The copy is kept for every micro-batch traced, so the warm-up step that makes the gradients and the optimizer state
+    runs once: a step leaves the same state at any micro-batch, the gradients and the optimizer state of every
+    parameter. A model that keeps Python state from step to step (a step counter, a list it appends to) is traced
+    after as many steps as micro-batches were traced before. A step whose trace fails drops the copy. ``traces``: the
     :class:`~autotune._estimate.trace.Traces` it is made for (its model, batch, plan, device and optimizer)."""
 
     def __init__(self, traces: Any, *, real: bool = False) -> None:

@@ -168,10 +168,11 @@ def bytes_of(tensors: Iterable[Any], device: torch.device, *, cuda_rules: bool =
 
 
 class LowBitStandIn(torch.optim.Optimizer):
-    """torchao's update (low-bit Adam, or AdamW rounding bf16 stochastically) as the estimator traces it: the state
-    tensors torchao stores, made at the first update (per moment: codes, scales and code map, or a full-width buffer
-    for small tensors; see :func:`autotune._transforms.optim_state.state_tensor_bytes`), and an update that allocates
-    nothing more (torchao fuses each parameter's update into one compiled kernel)."""
+    """Stand in for torchao's update (low-bit Adam, or AdamW rounding bf16 stochastically) in the estimator's trace.
+
+    It makes the state tensors torchao stores at the first update: per moment, codes, scales and code map, or a
+    full-width buffer for small tensors (see :func:`autotune._transforms.optim_state.state_tensor_bytes`). Its update
+    allocates nothing more, since torchao fuses each parameter's update into one compiled kernel."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: str) -> None:
         super().__init__([{"params": list(g["params"]), "amsgrad": bool(g.get("amsgrad"))}

@@ -1,13 +1,20 @@
-"""This machine's device measured for the step-time model, once per device, torch version and thread count, and kept
-in a JSON file under the user's cache folder (``$AUTOTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning-autotune``,
-else ``~/.cache/lightning-autotune``); a few seconds on a CPU.
+"""Measure this machine's device for the step-time model, once per device, torch version and thread count.
 
-What is measured: matrix products per dtype at two sizes (the larger one's FLOP/s is the peak; what the smaller took
-beyond its share of that is a fixed cost per product, ``DeviceSpeed.matmul_seconds``); attention forward and backward
-at a short sequence over many heads and a long one over few (a rate and a fixed cost per head); copies of 64 MiB
-(the memory's bandwidth) and, on a CPU, of 1 to 16 MiB (data that stays in the caches); on a CPU, pointwise kernels
-per value and a 64 MiB tensor written to fresh pages (page faults); a training step of tiny modules (the host's cost
-per operator); on CUDA, pinned copies to and from the host (the host link). A CPU has no interconnect to measure: its
+The figures are kept in a JSON file under the user's cache folder (``$AUTOTUNE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/lightning-autotune``, else ``~/.cache/lightning-autotune``); measuring takes a few seconds on a CPU.
+
+What is measured:
+
+- matrix products per dtype at two sizes: the larger one's FLOP/s is the peak; what the smaller took beyond its share
+  of that is a fixed cost per product (``DeviceSpeed.matmul_seconds``);
+- attention forward and backward at a short sequence over many heads and a long one over few (a rate and a fixed
+  cost per head);
+- copies of 64 MiB (the memory's bandwidth) and, on a CPU, of 1 to 16 MiB (data that stays in the caches);
+- on a CPU, pointwise kernels per value and a 64 MiB tensor written to fresh pages (page faults);
+- a training step of tiny modules (the host's cost per operator);
+- on CUDA, pinned copies to and from the host (the host link).
+
+A CPU has no interconnect to measure: its
 collectives (gloo) copy through memory, taken at a quarter of its bandwidth. A GPU that is in the table
 (:data:`~autotune._estimate.devices.KNOWN_DEVICES`) keeps its datasheet peaks for MFU.
 
@@ -92,9 +99,10 @@ def local_device_speed(device: torch.device, *, refresh: bool = False) -> Device
 
 
 class _Clock:
-    """How a measurement waits for the device (calling it) and reads the time (:meth:`now`): on CUDA the wall clock
-    after a synchronize; on the CPU the process's CPU time over its threads, which other processes' load on a shared
-    machine does not stretch (the wall clock of a matrix product there moved 10x between runs, its CPU time not)."""
+    """Wait for the device (calling it) and read the time (:meth:`now`) for a measurement.
+
+    On CUDA it reads the wall clock after a synchronize. On the CPU it reads the process's CPU time over its threads,
+    which other processes' load on a shared machine does not stretch (docs/speed.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -199,9 +207,11 @@ _ATTENTION_SHAPES = {"cpu": ((64, 32, 16), (4, 512, 64)), "cuda": ((256, 128, 64
 
 
 def _attention(device: torch.device, dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, tuple[float, float]]:
-    """Scaled dot-product attention, causal, at a short sequence over many heads and a long one over few: for its
-    forward and its backward apart, the FLOP/s (torch's FLOP formulas, halved for the causal mask) and the fixed
-    seconds per head that fit both shapes (a CPU's bf16 backward takes far longer per head than its FLOPs say)."""
+    """Measure causal scaled dot-product attention at a short sequence over many heads and a long one over few.
+
+    For its forward and its backward apart, it returns the FLOP/s (torch's FLOP formulas, halved for the causal mask)
+    and the fixed seconds per head that fit both shapes. A CPU's bf16 backward takes far longer per head than its
+    FLOPs say."""
     from torch.nn.functional import scaled_dot_product_attention
 
     from autotune._compat.torch import sdpa_backward_flops, sdpa_flops
@@ -235,9 +245,11 @@ def _rate_and_fixed(points: list[tuple[int, float, float]]) -> tuple[float, floa
 
 
 def _host_seconds_per_operator(device: torch.device, sync: Callable[[], None]) -> float:
-    """The host's cost per operator of a training step without work: a stack of tiny modules (linear, layer norm,
-    GELU) forward, backward and updated, its time over the operators it dispatches (counted as the step-time model
-    counts a traced step's: views and allocations too), so the modules' Python and autograd's bookkeeping are in it."""
+    """Measure the host's cost per operator of a training step without work.
+
+    A stack of tiny modules (linear, layer norm, GELU) runs forward, backward and its update. Its time is divided by
+    the operators it dispatches, counted as the step-time model counts a traced step's (views and allocations too).
+    So the modules' Python and autograd's bookkeeping are in the figure."""
     from torch import nn
 
     from autotune._compat.torch import operator_recorder

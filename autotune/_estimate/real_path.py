@@ -1,19 +1,23 @@
-"""The estimator's real-tensor path (see :meth:`autotune._estimate.trace.Traces`), for a step the trace without data
-cannot follow (it reads tensor values, or one of its ops has no fake rule) or when asked: which micro-batches it
-traces, the line through two of them, and activation offload with data.
+"""Trace a step with real tensors on the host, for a step the trace without data cannot follow, or when asked.
+
+This is the estimator's real-tensor path (see :meth:`autotune._estimate.trace.Traces`). It serves a step that reads
+tensor values or has an op without a fake rule. It decides which micro-batches to trace, draws the line through two
+of them, and handles activation offload with data.
 
 Which micro-batches are traced is decided by the work itself, never by the clock, so the same model, batch and plan
-get the same answer on an idle host and a busy one. Micro-batches 1 and 2 are traced first; from them, the work of
+get the same answer on an idle host and a busy one. Micro-batches 1 and 2 are traced first. From them, the work of
 the asked micro-batch ``m`` is on their line: its FLOPs (of the ops torch's flop counter knows), the bytes it allocates
 (every storage the step makes: the traffic of the elementwise ops FLOPs do not count) and the host memory it holds.
 Within ``REAL_FLOPS``, ``REAL_ALLOCATED_BYTES`` and ``REAL_HOST_SHARE`` of the host's memory, ``m`` is traced
-directly; else the largest power of two ``b`` within them (4 at least), ``b / 2`` and ``3 b / 4`` are traced. Where
-the three steps ran the same ops and each moment of ``3 b / 4`` (the bytes alive after an op) lies on the line of the
-same moment of the other two, each moment is taken along its own line to ``m`` and the peak is the highest of them: a change
-of regime past ``b`` (a backward whose peak moves from the update to a recomputed block) is seen, where the line
-through the two peaks missed it by a third. Where they did not (data-dependent routing: which experts run, and with how
-many tokens, follows the data), the part of each peak above the model state grows in proportion to the micro-batch,
-which no step whose tensors are a fixed part plus a part per sample exceeds. Either way the answer is at least the
+directly. Else the largest power of two ``b`` within them (4 at least), ``b / 2`` and ``3 b / 4`` are traced.
+
+The three steps may run the same ops, with each moment of ``3 b / 4`` (the bytes alive after an op) on the line of
+the same moment of the other two. Then each moment is taken along its own line to ``m`` and the peak is the highest
+of them. That way a change of regime past ``b`` (a backward whose peak moves from the update to a recomputed block)
+is seen, which the line through the two peaks misses (docs/plan.md gives the figures). Where they do not
+(data-dependent routing: which experts run, and with how many tokens, follows the data), the part of each peak above
+the model state grows in proportion to the micro-batch. No step whose tensors are a fixed part plus a part per sample
+exceeds that. Either way the answer is at least the
 line through the two peaks and the peak at ``b``: never lower than what the host traced.
 
 A traced micro-batch here is a :class:`~autotune._estimate.result.Traced` (its ``phases``, each with ``estimate``,
@@ -57,10 +61,11 @@ def _host_of(traced: Any) -> int:
 
 
 def choose(*, micro: int, one: Any, two: Any, host_total_bytes: int) -> tuple[int | None, str]:
-    """How to answer for ``micro`` (over :data:`REAL_DIRECT`) from micro-batches 1 and 2 traced as it runs: ``(None,
-    "")`` to trace it directly, else ``(b, why)``: extrapolate from ``b / 2`` and ``b``, the largest power of two
-    below ``micro`` whose work is within the limits (4 at least), and the clause that says which limit ``micro``
-    passes.
+    """Decide how to answer for ``micro`` (over :data:`REAL_DIRECT`) from micro-batches 1 and 2 traced as it runs.
+
+    Returns ``(None, "")`` to trace it directly. Else it returns ``(b, why)``: extrapolate from ``b / 2`` and ``b``,
+    the largest power of two below ``micro`` whose work is within the limits (4 at least). ``why`` is the clause that
+    says which limit ``micro`` passes.
 
     Example:
         >>> choose(micro=16, one=traced_1, two=traced_2, host_total_bytes=64 * 2**30)  # doctest: +SKIP
@@ -127,10 +132,12 @@ def _proportional(pb: Any, b: int, micro: int, accumulate: bool) -> int:
 
 def extrapolated(at_a: T, at_b: T, a: int, b: int, micro: int, *, check: tuple[int, Any], accumulate: bool,
                  why: str) -> T:
-    """``micro`` from traces at micro-batches ``a`` < ``b`` (see the module notes): each phase's peak from its moments
-    where a third traced micro-batch (``check``) confirms they lie on lines, else in proportion above the model state;
-    at least on the line through the two peaks and at ``b``; its model state and overhead as at ``b``, its
-    temporaries on their line, the activations taking up the rest. The first note says so, why (``why``), and how far
+    """Extrapolate the estimate at ``micro`` from traces at micro-batches ``a`` < ``b`` (see the module notes).
+
+    Each phase's peak comes from its moments where a third traced micro-batch (``check``) confirms they lie on lines,
+    else in proportion above the model state. It is at least on the line through the two peaks and at ``b``. The model
+    state and overhead are as at ``b``, the temporaries on their line, the activations taking up the rest. The first
+    note says so, why (``why``), and how far
     the third lies off."""
 
     def line(x: int, y: int, at: int) -> int:

@@ -167,10 +167,12 @@ class Traced:
     work: Any = None  # the step's FLOPs and bytes, op by op (autotune._estimate.work.StepWork)
 
     def over(self, world_size: int, plan: Plan) -> Estimate:
-        """The estimate of one of ``world_size`` ranks: replicated with DDP's buckets and the runtime's averaging
-        buffers (up to two buckets), or FSDP2's shards and gathered units (:mod:`autotune._estimate.sharding`), at
-        the higher of the two phases' peaks (sharding moves state between them: the last step's gradient shards in
-        the forward, one unit's unsharded gradient in the backward)."""
+        """Return the estimate of one of ``world_size`` ranks.
+
+        Under DDP the state is replicated, with DDP's buckets and the runtime's averaging buffers (up to two buckets).
+        Under FSDP2 it is the rank's shards and gathered units (:mod:`autotune._estimate.sharding`). The peak is the
+        higher of the two phases' peaks, since sharding moves state between them: the last step's gradient shards in
+        the forward, one unit's unsharded gradient in the backward."""
         sharded, shards = None, 0
         if plan.strategy == "fsdp":
             sharded = rank_state(self.model, self.optimizers, world_size=world_size, master_dtype=self.master_dtype,

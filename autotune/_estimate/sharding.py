@@ -2,16 +2,19 @@
 
 FSDP2 shards every parameter on dim 0 over the ranks, each rank holding ``ceil(rows / world_size)`` rows (the last
 ranks' shards are padded to that size), and its gradient and optimizer state alike. On top of the shards a rank
-holds the parameters of the units it has gathered: the root's (gathered for the whole step) and, ZeRO-3 style, the
-running block's and the next one's (prefetched); ZeRO-2 style (``reshard_after_forward=False``) every block stays
-gathered from its forward to its backward. Gathered parameters are in the dtype the step was traced in: bf16 under
-bf16-mixed, FSDP2's mixed-precision policy, while the shards (parameters, gradients, state) keep the fp32 master
-dtype given as ``master_dtype``; under that policy each unit also casts its floating-point inputs to bf16
-(``cast_forward_inputs``, :func:`cast_unit_inputs`), so what passes between units is bf16. A backward makes the
-unsharded gradient of one unit at a time (in the reduce dtype) and its reduce-scatter input; both are counted for the
-largest unit, at a peak in the backward only; the gradient shards alive at a peak are the traced share of the whole
-model's gradients (:meth:`RankState.at_peak`): all of the last step's in the forward, none at the start of a backward
-(Lightning's ``zero_grad`` sits between the two). With ``cpu_offload`` the shards (parameters, gradients, state) are
+holds the parameters of the units it has gathered. These are the root's (gathered for the whole step) and, ZeRO-3
+style, the running block's and the next one's (prefetched). ZeRO-2 style (``reshard_after_forward=False``) every
+block stays gathered from its forward to its backward.
+
+Gathered parameters are in the dtype the step was traced in: bf16 under bf16-mixed, FSDP2's mixed-precision policy.
+The shards (parameters, gradients, state) keep the fp32 master dtype given as ``master_dtype``. Under that policy each
+unit also casts its floating-point inputs to bf16 (``cast_forward_inputs``, :func:`cast_unit_inputs`), so what passes
+between units is bf16.
+
+A backward makes the unsharded gradient of one unit at a time (in the reduce dtype) and its reduce-scatter input.
+Both are counted for the largest unit, at a peak in the backward only. The gradient shards alive at a peak are the
+traced share of the whole model's gradients (:meth:`RankState.at_peak`). That is all of the last step's in the
+forward, none at the start of a backward (Lightning's ``zero_grad`` sits between the two). With ``cpu_offload`` the shards (parameters, gradients, state) are
 on the host and the update runs there.
 """
 

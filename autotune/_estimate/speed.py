@@ -99,10 +99,12 @@ def predict_speed(
     *, model: LightningModule, batch: Any, plan: Plan, device: DeviceSpec = None, device_type: str | None = None,
     world_size: int | None = None, optimizer: OptimizerFactory | None = None,
 ) -> SpeedPrediction:
-    """Predict the speed of training ``model`` with ``plan`` on batches like ``batch`` (one optimizer step each):
-    samples/s over all ranks, MFU and the bound, from the operators of the step the memory estimate traces, against
-    ``device_type``'s datasheet (``"h100"``, ``"a100-40gb"``, ``"l4"``, ...: need not be on this machine) or this
-    machine's ``device``, measured once (cached). Uncalibrated: a search calibrates with its trials.
+    """Predict the speed of training ``model`` with ``plan`` on batches like ``batch`` (one optimizer step each).
+
+    The prediction gives samples/s over all ranks, MFU and the bound. It comes from the operators of the step the
+    memory estimate traces, against ``device_type``'s datasheet (``"h100"``, ``"a100-40gb"``, ``"l4"``, ...: need not
+    be on this machine) or this machine's ``device``, measured once (cached). It is uncalibrated: a search calibrates
+    with its trials.
 
     Args:
         model: The LightningModule (automatic optimization).

@@ -1,26 +1,29 @@
-"""The step-time model: the seconds of one optimizer step of a plan, from the work the estimator's fake step traced
-(:mod:`autotune._estimate.work`) against a device's speeds (:mod:`autotune._estimate.devices`).
+"""Predict the seconds of one optimizer step of a plan: the step-time model.
+
+It sets the work the estimator's fake step traced (:mod:`autotune._estimate.work`) against a device's speeds
+(:mod:`autotune._estimate.devices`).
 
 A step of ``B`` samples at micro-batch ``m`` runs ``ceil(B / m)`` forward and backward passes (the last one of what is
 left: its operators in proportion) and one update. Each operator is a roofline: the longer of its FLOPs at the peak of
 its dtype and its bytes at the memory bandwidth, each over the bound's efficiency; the operators' times add up by the
 bound that set them (``compute`` or ``memory``). On top:
 
-- **host link**: copies between device and host the trace made (activation offload), and in closed form optimizer
-  offload's (each offloaded gradient down, each parameter up, the update on the host at its memory's bandwidth) and
-  FSDP2's ``cpu_offload`` (the shards up for each gather, the gradient shards down, the update on the host);
-- **interconnect**: DDP's gradient all-reduce once per step (the runtime averages after the micro-batches: nothing
-  to hide it behind), ``2 (N - 1) / N`` of the gradients per rank; FSDP2's all-gathers (twice per pass when blocks
-  reshard after their forward) and reduce-scatter each pass, ``(N - 1) / N`` of the parameters and gradients, hidden
-  behind the pass's work but for one unit's share;
-- **launch**: the host's cost per operator (a ``_foreach_`` operator works through its tensors one by one on the CPU,
-  about 32 per launch on CUDA), and a fixed cost per micro-batch and per step in operators' worth
+- **host link**: copies between device and host the trace made (activation offload). In closed form, optimizer
+  offload's copies (each offloaded gradient down, each parameter up, the update on the host at its memory's
+  bandwidth) and FSDP2's ``cpu_offload`` (the shards up for each gather, the gradient shards down, the update on the
+  host);
+- **interconnect**: DDP's gradient all-reduce once per step, ``2 (N - 1) / N`` of the gradients per rank (the
+  runtime averages after the micro-batches: nothing to hide it behind). FSDP2's all-gathers (twice per pass when
+  blocks reshard after their forward) and reduce-scatter each pass, ``(N - 1) / N`` of the parameters and gradients,
+  hidden behind the pass's work but for one unit's share;
+- **launch**: the host's cost per operator. A ``_foreach_`` operator works through its tensors one by one on the CPU,
+  about 32 per launch on CUDA. There is also a fixed cost per micro-batch and per step in operators' worth
   (:data:`MICRO_BATCH_LAUNCHES`, :data:`STEP_LAUNCHES`). On CUDA the host runs ahead of the device: the step takes
   the longer of the two; on the CPU they add up.
 
-``compile`` is not traced (the trace is the eager step): fusing a block's pointwise operators is taken to leave
-:data:`COMPILE_BYTES` of their memory traffic and :data:`COMPILE_LAUNCHES` of their launches, and a memory budget
-``b < 1`` to recompute ``1 - b`` of the forward's pointwise operators. ``float8`` runs matrix products at the FP8 peak
+``compile`` is not traced (the trace is the eager step). Fusing a block's pointwise operators is taken to leave
+:data:`COMPILE_BYTES` of their memory traffic and :data:`COMPILE_LAUNCHES` of their launches. A memory budget
+``b < 1`` is taken to recompute ``1 - b`` of the forward's pointwise operators. ``float8`` runs matrix products at the FP8 peak
 with a cast of their inputs (half their bytes again). Those three are guesses the calibration corrects.
 """
 
@@ -92,8 +95,7 @@ class StepParts:
 
 @dataclass(frozen=True, kw_only=True)
 class SpeedPrediction:
-    """A plan's predicted speed: seconds per optimizer step, samples/s over all ranks, MFU, what bounds it, and how
-    far the model has been off on this target so far.
+    """A plan's predicted speed and how far the model has been off on this target so far.
 
     Attributes:
         plan: The plan (its micro-batch set).

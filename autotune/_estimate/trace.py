@@ -1,20 +1,23 @@
-"""How the estimator traces one training step of a plan (:mod:`autotune._estimate.estimate` is the public side).
+"""Trace one training step of a plan for the estimator (:mod:`autotune._estimate.estimate` is the public side).
 
-The model is copied under ``FakeTensorMode`` (tensors without data; a step that reads tensor values is traced on a copy
-with real tensors on the host instead, at small micro-batches and along their line beyond: see
-:meth:`Traces._traced`), the plan is applied as a run applies it
-(:mod:`autotune._transforms.blocks`, Lightning's precision plugins), and one step runs under torch's ``MemTracker``,
-which files every storage under parameters, gradients, optimizer state, activations or temporaries while it lives.
-The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update) after a warm-up step
-that makes the optimizer state (once per plan: every micro-batch traced starts from the state the step before left,
-which is the same at any micro-batch); when the plan cuts the batch, the traced micro-batch adds to the gradients (as
-the later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus ``overhead_bytes``; the
-categories are those at that moment (the forward's and the backward's peaks are kept apart for the sharded closed
-form). Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`): derived for CPU
-convolutions in fp32, measured once per machine for CPU matrix products and convolutions in bf16/fp16 (oneDNN's
-buffers depend on the processor; ``Estimate.notes`` says so). On CUDA the rules of
+The model is copied under ``FakeTensorMode`` (tensors without data). A step that reads tensor values is traced on a
+copy with real tensors on the host instead, at small micro-batches and along their line beyond (see
+:meth:`Traces._traced`). The plan is applied as a run applies it (:mod:`autotune._transforms.blocks`, Lightning's
+precision plugins). One step runs under torch's ``MemTracker``, which files every storage under parameters,
+gradients, optimizer state, activations or temporaries while it lives.
+
+The step is Lightning's (forward with the last gradients alive, ``zero_grad``, backward, update). It runs after a
+warm-up step that makes the optimizer state, once per plan: every micro-batch traced starts from the state the step
+before left, which is the same at any micro-batch. When the plan cuts the batch, the traced micro-batch adds to the
+gradients (as the later ones of ``ElasticBatchSize`` do). The peak is the most bytes alive at once plus
+``overhead_bytes``. The categories are those at that moment (the forward's and the backward's peaks are kept apart
+for the sharded closed form).
+
+Kernels add the work buffers they hold inside one call (:mod:`autotune._estimate.workspace`). These are derived for
+CPU convolutions in fp32, and measured once per machine for CPU matrix products and convolutions in bf16/fp16
+(oneDNN's buffers depend on the processor; ``Estimate.notes`` says so). On CUDA the rules of
 :mod:`autotune._estimate.cuda_rules` apply: each allocation rounded up to 512 B, the cuBLAS workspaces in the
-overhead, the CUDA context beside the peak (``context_bytes``); a CUDA device this machine does not have
+overhead, the CUDA context beside the peak (``context_bytes``). A CUDA device this machine does not have
 (``device="cuda"`` without CUDA) is estimated *what-if*: traced on the CPU with those rules and CUDA's autocast op
 lists. The overhead also holds DDP's gradient buckets and the runtime's averaging buffers under ``strategy="ddp"``.
 Offloaded activations leave a CUDA device (``host_bytes``); on the CPU ``save_on_cpu`` keeps a tensor where it is, so

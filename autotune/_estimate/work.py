@@ -46,9 +46,11 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 
 @dataclass(frozen=True)
 class OpWork:
-    """One operator of the traced step: its phase, FLOPs (0 for those without a formula) in ``dtype``, bytes read and
-    written, how many tensors a ``_foreach_`` operator works through (1 for others), whether it copies between devices
-    (``host_link``: its bytes cross the host link), and whether it is an attention kernel."""
+    """One operator of the traced step, with the work the step-time model prices.
+
+    It holds the operator's phase, FLOPs (0 for those without a formula) in ``dtype``, and bytes read and written. It
+    also holds how many tensors a ``_foreach_`` operator works through (1 for others), whether it copies between
+    devices (``host_link``: its bytes cross the host link), and whether it is an attention kernel."""
 
     phase: str
     flops: float

@@ -1,12 +1,13 @@
-"""Work buffers that kernels allocate and free inside one call, unseen by any dispatch mode: derived where the rule
-is known, measured once per machine where it is not.
+"""Count the work buffers that kernels allocate and free inside one call, unseen by any dispatch mode.
+
+They are derived where the rule is known, measured once per machine where it is not.
 
 - CPU convolutions in the im2col kernel (``Slow2d``) follow a rule measured with the profiler
   (:func:`cpu_conv_workspace`).
-- CPU convolutions in oneDNN (any dtype), and matrix products in bf16 or fp16 (oneDNN too), hold buffers (weights
-  reordered for the ISA, AMX tile layouts, per-thread scratchpads; a channels-last depthwise backward's
-  accumulators) that depend on the processor's instruction set, the layout and the thread count: none is derived.
-  Each distinct call (op, shapes, strides, dtypes) is run once on uninitialised tensors of the traced shapes, on
+- CPU convolutions in oneDNN (any dtype), and matrix products in bf16 or fp16 (oneDNN too), hold buffers: weights
+  reordered for the ISA, AMX tile layouts, per-thread scratchpads, a channels-last depthwise backward's accumulators.
+  These depend on the processor's instruction set, the layout and the thread count, so none is derived. Each
+  distinct call (op, shapes, strides, dtypes) is run once on uninitialised tensors of the traced shapes, on
   this machine, and the bytes it held above its inputs and outputs are kept for the process
   (:func:`measured_workspace`). Calls with operands above ``CALIBRATE_MAX_BYTES`` are not run: they count what the
   rule knows (convolutions) or nothing (matrix products), and the estimate says so.
