@@ -3,13 +3,15 @@
 A batch is any nesting of mappings, sequences, namedtuples and dataclasses around tensors (or NumPy arrays). The
 batch size ``N`` is the length of the first dimension of the first tensor found depth-first. A micro-batch keeps
 the structure and cuts every tensor whose first dimension is ``N``; other tensors (a scalar, a shared mask) are
-passed unchanged. A list or tuple of ``N`` items that does not hold the tensor ``N`` was read from is a per-sample
-list, cut too, when its items are numbers or strings (ids, captions), or are all of one kind (``None`` aside) and
-either tensors (images of mixed resolutions, one box tensor per image) other than ``N``-row tensors of one shape,
-or containers that do not all hold a tensor of ``N`` samples (one target dict per image, ``(h, w)`` sizes). Any
-other list or tuple is structure (``[x, y]``, ``(input_ids, position_ids)``, sub-batches) and each item is mapped;
-mappings, namedtuples and dataclasses are always structure: put a tuple of ``N`` items that is not per-sample (a
-``(mean, std)`` pair when ``N`` is 2) in one of those.
+passed unchanged.
+
+A list or tuple of ``N`` items that does not hold the tensor ``N`` was read from is a per-sample list, cut too, when
+its items are numbers or strings (ids, captions). It is per-sample too when its items are all of one kind (``None``
+aside) and are tensors other than ``N``-row tensors of one shape (images of mixed resolutions, one box tensor per
+image). Containers that do not all hold a tensor of ``N`` samples count alike (one target dict per image, ``(h, w)``
+sizes). Any other list or tuple is structure (``[x, y]``, ``(input_ids, position_ids)``, sub-batches) and each
+item is mapped. Mappings, namedtuples and dataclasses are always structure. So put a tuple of ``N`` items that is not
+per-sample (a ``(mean, std)`` pair when ``N`` is 2) in one of those.
 """
 
 from __future__ import annotations
@@ -79,9 +81,11 @@ def _first_leaf_list(batch: Any) -> Any:
 
 
 def sample_size_of(batch: Any, size: int) -> float:
-    """Elements per sample in a batch of ``size`` samples: over every tensor whose first dimension is ``size``, the
-    product of its other dimensions (sequence length, channels x height x width), summed, plus the elements of each
-    per-sample list's tensors (a list of images of different sizes) over ``size``; 1.0 when there is none.
+    """Count the elements per sample in a batch of ``size`` samples.
+
+    Every tensor whose first dimension is ``size`` adds the product of its other dimensions (sequence length,
+    channels x height x width). Each per-sample list adds its tensors' elements over ``size`` (a list of images of
+    different sizes). The count is 1.0 when there is none.
 
     With dynamic padding it follows the batch's padded length; with mixed resolutions, its image size.
 
@@ -332,9 +336,9 @@ def scale_step_output(output: Any, *, sizes: list[int], index: int) -> Any:
 def combine_outputs(outputs: list[Any], sizes: list[int]) -> Any:
     """Put the outputs of the micro-batches of one evaluation batch back together.
 
-    Tensors whose first dimension is the micro-batch size are concatenated, other tensors and numbers are averaged
-    weighted by micro-batch size, per-sample lists (by the rule that cuts a batch's lists, the largest part deciding:
-    one prediction dict or tensor per sample) are concatenated, other containers are combined element-wise, anything
+    Tensors whose first dimension is the micro-batch size are concatenated. Other tensors and numbers are averaged,
+    weighted by micro-batch size. Per-sample lists are concatenated (by the rule that cuts a batch's lists, the largest
+    part deciding: one prediction dict or tensor per sample). Other containers are combined element-wise. Anything
     else is taken from the last part.
 
     Example:

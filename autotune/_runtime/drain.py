@@ -4,18 +4,18 @@ Under FSDP2 every forward all-gathers parameters and every backward reduce-scatt
 that runs out of memory half-way stops issuing them while its peers wait inside one, so no vote could reach them.
 :class:`CollectiveDrain` wraps the all-gather and reduce-scatter of every FSDP unit (public
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``; the unit's own communication still does the
-work), and logs each call under the micro-batch that runs. A clean micro-batch keeps its log as the schedule of its
-kind ``(first, last)``: a schedule depends on the parameters' shapes and the sharding, not on the number of samples,
+work). It logs each call under the micro-batch that runs. A clean micro-batch keeps its log as the schedule of its
+kind ``(first, last)``. A schedule depends on the parameters' shapes and the sharding, not on the number of samples,
 so it still holds after the micro-batch shrinks.
 
-After an OOM at call ``p`` of micro-batch ``j`` (or before the first micro-batch, in ``optimizer.step``), the failing
-rank resets its FSDP state, frees the failed attempt, and issues what its peers still expect (the rest of ``j``'s
-schedule, then the whole schedules of the micro-batches after it) on one zeroed scratch buffer; then every rank joins
-the step's vote. A schedule also holds the model's own collectives, as "guard" calls (see
+An OOM may strike at call ``p`` of micro-batch ``j`` (or before the first micro-batch, in ``optimizer.step``). The
+failing rank then resets its FSDP state and frees the failed attempt. It issues what its peers still expect on one
+zeroed scratch buffer: the rest of ``j``'s schedule, then the whole schedules of the micro-batches after it. Then
+every rank joins the step's vote. A schedule also holds the model's own collectives, as "guard" calls (see
 :mod:`autotune._runtime.guard`): a draining rank stops at the first, where its peers stand, and its vote meets them.
 
-While some rank lacks the schedule of a kind an attempt needs (the first step; a new split; a schedule that changed),
-every rank publishes each call in the process group's store before issuing it, and a rank that fails follows the
+Some rank may lack the schedule of a kind an attempt needs (the first step; a new split; a schedule that changed).
+Then every rank publishes each call in the process group's store before issuing it. A rank that fails follows the
 calls its peers publish instead of a schedule. So an OOM in the very first micro-batch of training is drained
 without running any user code a second time and without guessing. A follower stops once every other rank has
 published that it finished its micro-batches or that it follows too, or publishes a guard.

@@ -62,14 +62,19 @@ _WHY_OFF = "protect_update=False: no update is protected. Use ElasticBatchSize(p
 class ElasticEvent:
     """One decision of :class:`~autotune.callbacks.ElasticBatchSize` (its ``events`` list, oldest first).
 
-    ``kind`` is "oom" (an out-of-memory error of this rank; the step was replayed at ``micro_batch_size``),
-    "peer_oom" (another rank's out-of-memory error; this rank replayed the step at its own micro-batch), "grow" (the
-    micro-batch doubled after clean steps; with varying sample sizes, a micro-batch that ran before a failure tried
-    again), "grow_failed" (the larger micro-batch ran out of memory and went back),
-    "over_budget" (a step's peak passed the soft CPU budget; the next step runs smaller) or "eval_oom" (an
-    evaluation step was split). ``step`` is the global step, ``batch_size`` the effective batch, ``previous`` and
-    ``micro_batch_size`` the micro-batch before and after, ``where`` the phase that failed ("closure": forward or
-    backward, "update": the optimizer step; for "eval_oom" the stage), ``peak_bytes`` the step's peak when known.
+    ``kind`` is one of:
+
+    - "oom": an out-of-memory error of this rank; the step was replayed at ``micro_batch_size``.
+    - "peer_oom": another rank's out-of-memory error; this rank replayed the step at its own micro-batch.
+    - "grow": the micro-batch doubled after clean steps. With varying sample sizes, a micro-batch that ran before a
+      failure tried again.
+    - "grow_failed": the larger micro-batch ran out of memory and went back.
+    - "over_budget": a step's peak passed the soft CPU budget; the next step runs smaller.
+    - "eval_oom": an evaluation step was split.
+
+    ``step`` is the global step and ``batch_size`` the effective batch. ``previous`` and ``micro_batch_size`` are the
+    micro-batch before and after. ``where`` is the phase that failed ("closure": forward or backward, "update": the
+    optimizer step; for "eval_oom" the stage). ``peak_bytes`` is the step's peak when known.
 
     Example:
         >>> ElasticEvent(kind="oom", step=3, batch_size=64, previous=32, micro_batch_size=16).micro_batch_size

@@ -18,8 +18,8 @@ class GradientAverager:
     """Averages the gradients of the parameters some rank used (divide by world size, then sum: DDP's arithmetic).
 
     Like DDP, gradients travel in flat buckets of about ``GRADIENT_BUCKET_BYTES``, two in flight, through buffers kept
-    from step to step. :meth:`prepare` runs before the step's vote: zeros for the gradients this rank lacks and the
-    bucket buffers are allocated then, so an OOM doing so is voted like any other and the usual step allocates nothing
+    from step to step. :meth:`prepare` runs before the step's vote and allocates the zeros for the gradients this rank
+    lacks and the bucket buffers. So an OOM doing so is voted like any other, and the usual step allocates nothing
     after the vote.
     """
 

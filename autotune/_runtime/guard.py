@@ -1,12 +1,12 @@
-"""Collectives the model makes inside a micro-batch, each preceded by the ranks' guard (see
+"""Precede each collective the model makes inside a micro-batch with the ranks' guard (see
 :mod:`autotune._runtime.agreement`).
 
 A model may make collectives of its own in forward or backward: SyncBatchNorm's all-gather and all-reduce, a
 torchmetrics metric synced on step, expert-parallel all-to-alls. A rank that runs out of memory before one of them
 never joins it, and its peers would wait inside it forever. While the callback runs (``install`` to ``remove``), the
-collectives of ``torch.distributed`` are wrapped; inside the step's micro-batches, on the thread that runs them, each
-call is first announced to the other ranks in one small all-reduce (the guard): a peer that failed meets it there with
-its vote, and the collective is not entered. Calls from anywhere else pass straight through (one attribute check).
+collectives of ``torch.distributed`` are wrapped. Inside the step's micro-batches, on the thread that runs them, each
+call is first announced to the other ranks in one small all-reduce (the guard). A peer that failed meets it there
+with its vote, and the collective is not entered. Calls from anywhere else pass straight through (one attribute check).
 
 Collectives that do not go through ``torch.distributed``'s functions are not seen: functional collectives and DTensor
 redistribution (tensor parallelism, refused at setup), calls bound before the callback was set up

@@ -1,7 +1,7 @@
 """Buffer ``LightningModule.log`` calls made by micro-batches and commit one weighted value per key.
 
-A failed attempt's calls are discarded, so a replay does not count twice in epoch means; a successful step logs
-each key once, as if the whole batch had gone through at once: means are weighted by micro-batch size (or by the
+A failed attempt's calls are discarded, so a replay does not count twice in epoch means. A successful step logs
+each key once, as if the whole batch had gone through at once. Means are weighted by micro-batch size (or by the
 ``batch_size`` the user passed), sums add up, max and min take the extreme. Metric objects (torchmetrics) are
 passed through from the last call; the engine rolls their state back after a failed attempt (``MetricStates``).
 """
@@ -58,11 +58,11 @@ def _combine(values: list[Any], weights: list[float], reduce_fx: Any) -> Any:
 
 
 def _weights(calls: list[dict[str, Any]]) -> tuple[list[float], Any]:
-    """How the micro-batches' calls of one key weigh in their committed mean, and that call's batch size (what an
-    epoch mean weighs the step by): the samples that logged, as if they had been one batch.
+    """Weigh the micro-batches' calls of one key in their committed mean, and give that call's batch size.
 
-    A ``batch_size`` equal to each call's micro-batch size (``len(x)``), or none (Lightning's inference), is that;
-    one that varies otherwise is the user's weight (a token count): it weighs and adds up; a constant one that is not
+    The batch size is what an epoch mean weighs the step by: the samples that logged, as if they had been one batch.
+    A ``batch_size`` equal to each call's micro-batch size (``len(x)``), or none (Lightning's inference), is that.
+    One that varies otherwise is the user's weight (a token count): it weighs and adds up. A constant one that is not
     the micro-batch size (a fixed figure of the user's) is kept as the step's, each call weighted by its samples.
     """
     samples = [float(c["_n"]) for c in calls]

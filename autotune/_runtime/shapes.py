@@ -1,44 +1,47 @@
-"""A memory model of the training step in the batch's shape, learned online: which micro-batch fits a batch.
+"""Learn online which micro-batch fits a batch, from a memory model of the training step in the batch's shape.
 
 With dynamic padding (or mixed image resolutions) what a micro-batch costs follows the batch's *shape*, not its
 sample count. The model describes a sample by its **size** ``s``: the elements one sample has in the batch's tensors
 (the non-batch dimensions: sequence length, channels x height x width, summed over the batch's tensors), or what the
 user's ``sample_size`` function returns for it. A micro-batch of ``m`` samples of size ``s`` costs ``m * g(s)`` over
-the memory the step holds anyway (weights, gradients, optimizer state), with a per-sample cost
+the memory the step holds anyway (weights, gradients, optimizer state). The per-sample cost ``g`` is an affine term
+in the tokens plus a term in the length squared (attention scores materialised, masks of [L, L]):
 
-    g(s) = w0 + w1 * x + w2 * x**2,    x = s / s_ref   (s_ref: the first size seen)
+    g(s) = w0 + w1 * x + w2 * x**2,    x = s / s_ref   (s_ref: the first size seen).
 
-an affine term in the tokens plus a term in the length squared (attention scores materialised, masks of [L, L]).
-The weights are not fitted by regression: the model keeps every ``w`` of a grid on the simplex (``w0 + w1 + w2 = 1``)
-that agrees with what the run has seen, and with each ``w`` the interval the capacity ``C`` (in units of ``g``) can
-still be in:
+The weights are not fitted by regression. The model keeps every ``w`` of a grid on the simplex (``w0 + w1 + w2 = 1``)
+that agrees with what the run has seen. With each ``w`` it keeps the interval the capacity ``C`` (in units of ``g``)
+can still be in:
 
-- a micro-batch that ran (``m`` samples of size ``s``) says ``C >= m * g(s)`` (the *fits* frontier);
-- an out-of-memory error (or a step over a soft budget) says ``C < m * g(s)`` (the *fails* frontier);
-- where a byte limit is known and peaks are measured (CUDA: the allocator's peak after a reset, no synchronisation,
-  read before the update, whose temporaries do not grow with the batch; CPU with a budget: the budget's own meter),
-  the bytes a unit of load took cap ``C`` at the limit's headroom, and a micro-batch under that cap (and under
-  ``growth`` times what ran) is taken to fit; where bytes were measured at two
-  sample sizes or more, a ``w`` whose bytes per unit of load vary over them much more than the best ``w``'s is ruled
-  out (``_PLAUSIBLE_SPREAD``): bytes that grew with the tokens contradict a cost in the length squared.
+- A micro-batch that ran (``m`` samples of size ``s``) says ``C >= m * g(s)`` (the *fits* frontier).
+- An out-of-memory error (or a step over a soft budget) says ``C < m * g(s)`` (the *fails* frontier).
+- Peaks may be measured where a byte limit is known. On CUDA that is the allocator's peak after a reset, with no
+  synchronisation, read before the update, whose temporaries do not grow with the batch. On CPU with a budget it is
+  the budget's own meter. Then the bytes a unit of load took cap ``C`` at the limit's headroom. A micro-batch under
+  that cap (and under ``growth`` times what ran) is taken to fit.
+- Bytes may be measured at two sample sizes or more. Then a ``w`` whose bytes per unit of load vary over them much
+  more than the best ``w``'s is ruled out (``_PLAUSIBLE_SPREAD``): bytes that grew with the tokens contradict a cost
+  in the length squared.
 
-A ``w`` whose interval is empty is ruled out. Until both sides are seen the model is conservative: ``C`` is never
-taken above ``growth`` times the largest load seen to work (the factor the doubling of fixed-shape runs uses), for
-any ``w`` still possible: no micro-batch is tried that some possible cost puts further than that from what ran. For a
-batch it picks the fewest micro-batches whose largest one fits with probability ``confidence`` over the ``w`` left and
-their intervals (log-uniform in ``C``): a micro-batch only matters through the count it gives, so a larger one is
-tried only when it saves a micro-batch. After an out-of-memory error the replay takes what every ``w`` says fits
-(``confidence`` 1).
-Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first: a new point that
-contradicts an older one on the other frontier (a success at a load an older failure ruled out, a failure where a
-micro-batch ran before) removes it. A fit removed that way is remembered as *lost*: memory pressure (another process,
-fragmentation) may have caused the failure. A **probe**, when the runtime allows one (after ``grow_after`` clean
-steps), tries the fewest micro-batches that no evidence rules out (a lost fit, or a split whose chance of fitting is
-below ``confidence`` but above zero): a batch just under the boundary is not held split for the rest of the run, and
-either outcome moves a frontier. A failure at a load never seen to work rules that load out, and it is not probed.
+A ``w`` whose interval is empty is ruled out. Until both sides are seen the model is conservative. For any ``w``
+still possible, ``C`` is never taken above ``growth`` times the largest load seen to work (the factor the doubling
+of fixed-shape runs uses). So no micro-batch is tried that some possible cost puts further than that from what ran.
 
-Limits: the model knows shape, not content (two batches of one shape cost the same); the batch's sample size is its
-padded size; a per-sample cost that falls with the size, or grows faster than its square, is outside the family and
+For a batch the model picks the fewest micro-batches whose largest one fits with probability ``confidence``. The
+probability is over the ``w`` left and their intervals (log-uniform in ``C``). A micro-batch only matters through the
+count it gives, so a larger one is tried only when it saves a micro-batch. After an out-of-memory error the replay
+takes what every ``w`` says fits (``confidence`` 1).
+
+Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first. A new point
+that contradicts an older one on the other frontier removes it: a success at a load an older failure ruled out, or a
+failure where a micro-batch ran before. A fit removed that way is remembered as *lost*: memory pressure (another
+process, fragmentation) may have caused the failure. A **probe** runs when the runtime allows one (after
+``grow_after`` clean steps). It tries the fewest micro-batches that no evidence rules out: a lost fit, or a split
+whose chance of fitting is below ``confidence`` but above zero. So a batch just under the boundary is not held split
+for the rest of the run, and either outcome moves a frontier. A failure at a load never seen to work rules that load out, and it is not probed.
+
+Limits: the model knows shape, not content (two batches of one shape cost the same). The batch's sample size is its
+padded size. A per-sample cost that falls with the size, or grows faster than its square, is outside the family. It
 is met by out-of-memory replays, each of which moves the frontier.
 """
 

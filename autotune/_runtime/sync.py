@@ -34,13 +34,15 @@ def no_sync(model: torch.nn.Module | None) -> Iterator[None]:
 class DDPBuffers:
     """DDP's buffer broadcast, made at the start of each attempt at a step rather than inside a micro-batch's forward.
 
-    DDP broadcasts rank 0's buffers in the forward that follows a forward with gradient sync on: with Lightning's own
-    accumulation, the first forward of each step (its last micro-batch runs with sync on). The micro-batches here all
-    run under ``no_sync``, so left alone DDP would broadcast once per fit (buffers drift apart between ranks); and a
-    forward that runs out of memory skips DDP's post-forward, so the failed rank alone would broadcast again in its
-    replay while its peers wait elsewhere. So: the broadcast is due when DDP says it is at the step's start (the same
-    on every rank), made at the start of every attempt (before anything of the step can fail: every rank takes part),
-    DDP's own is off inside the micro-batches, and a step that succeeds leaves DDP as Lightning's last micro-batch would.
+    DDP broadcasts rank 0's buffers in the forward that follows a forward with gradient sync on. With Lightning's own
+    accumulation that is the first forward of each step (its last micro-batch runs with sync on). The micro-batches
+    here all run under ``no_sync``, so left alone DDP would broadcast once per fit, and buffers would drift apart
+    between ranks. And a forward that runs out of memory skips DDP's post-forward, so the failed rank alone would
+    broadcast again in its replay while its peers wait elsewhere.
+
+    So the broadcast is due when DDP says it is at the step's start (the same on every rank). It is made at the start
+    of every attempt, before anything of the step can fail, so every rank takes part. DDP's own is off inside the
+    micro-batches, and a step that succeeds leaves DDP as Lightning's last micro-batch would.
     Nothing for a model that is not DDP-wrapped or has no buffers to broadcast (``broadcast_buffers=False``).
     """
 

@@ -15,9 +15,10 @@ from autotune._runtime.state import UpdateSnapshot, creates_state, update_finger
 class UpdateGuard:
     """Decides, once per attempt of a step, how its update is protected, and undoes or refuses a failed one.
 
-    A host copy (:class:`UpdateSnapshot`) is taken before an update that creates optimizer state (those allocate the
-    most and are the ones that run out of memory), and before every update of an optimizer that evaluates the closure
-    more than once in a step (L-BFGS moves the parameters between evaluations, each a whole forward and backward).
+    A host copy (:class:`UpdateSnapshot`) is taken before an update that creates optimizer state: those allocate the
+    most and are the ones that run out of memory. It is also taken before every update of an optimizer that evaluates
+    the closure more than once in a step (L-BFGS moves the parameters between evaluations, each a whole forward and
+    backward).
     Any other update keeps only a fingerprint, so an OOM before it changed anything replays without a copy.
     Parameters that a completed update left without state (SGD without momentum, all but the first of L-BFGS) are
     stateless: they do not make later updates look like ones that create state.
