@@ -58,9 +58,11 @@ class AutoMicro:
         self._ceiling[shape] = min(self._ceiling.get(shape, ceiling), ceiling)
 
     def ran_out(self, params: dict[str, Any], micro: int | None) -> int | None:
-        """An ``auto`` micro-batch ran out of memory: the estimate fell short of the shape's need (on CUDA: compile,
-        float8, kernels' scratch), and as it knows nothing of why, the shape's ``auto`` is held to half of it from now
-        on (as the runtime halves after an OOM), evened out, down to 1. Returns the new ceiling when it is lower (the
+        """Lower the shape's ``auto`` ceiling after an ``auto`` micro-batch ran out of memory.
+
+        The estimate fell short of the shape's need (on CUDA: compile, float8, kernels' scratch). As it knows nothing
+        of why, the shape's ``auto`` is held to half of that micro-batch from now on (as the runtime halves after an
+        OOM), evened out, down to 1. Returns the new ceiling when it is lower (the
         point is then to be tried again), else None."""
         if params.get("micro_batch_size") != AUTO or not micro or micro <= 1:
             return None

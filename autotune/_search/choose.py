@@ -1,13 +1,15 @@
-"""Which plan a search chooses, and the figures that chose it.
+"""Choose the plan a search ends with, and keep the figures that chose it.
 
 Every measurement of a plan (its trial, and any re-measurement) is combined into one figure: the mean of the runs'
-throughputs, with an interval of +- the larger of the runs' own precision (their 95% half-widths, combined) and half
-the spread between runs (two processes of the same plan scatter more than one run's steps do). A plan fits when no
-run of it peaked over the budget; one whose peak's noise reaches the budget is ranked by the throughput a run of it
-can be expected to give (``edge.py``). Before a plan is declared best, the plans whose interval overlaps the
-leader's and whose mean is within 15% of it are measured again (with the leader), and so is the fastest plan that
-does less work than a leader which adds work (recomputation, offload, low-bit state, features: ``cost.py``), up to
-``REMEASURE_ROUNDS`` times; a trial stopped early whose interval is not clear of the leader's is measured in full.
+throughputs, with an interval. The interval is +- the larger of the runs' own precision (their 95% half-widths,
+combined) and half the spread between runs (two processes of the same plan scatter more than one run's steps do). A
+plan fits when no run of it peaked over the budget. One whose peak's noise reaches the budget is ranked by the
+throughput a run of it can be expected to give (``edge.py``).
+
+Before a plan is declared best, some plans are measured again, up to ``REMEASURE_ROUNDS`` times. These are the plans
+whose interval overlaps the leader's and whose mean is within 15% of it (with the leader). So is the fastest plan
+that does less work than a leader which adds work (recomputation, offload, low-bit state, features: ``cost.py``). A
+trial stopped early whose interval is not clear of the leader's is measured in full.
 Of the plans that cannot be told apart from the best (their intervals overlap), the simplest is chosen
 (:func:`simplest`): a plan that adds work is chosen only when it is faster beyond noise. The progress line,
 ``autotune report``, the plots and the tuned file's provenance all read the result from the study (``chosen``), so
@@ -231,10 +233,12 @@ def simplest(ranked: list[Figure]) -> Figure:
 
 
 def _reopened(study: Any, lead: Figure, budget_bytes: int, stored: dict[str, list[Any]]) -> list[Any]:
-    """Trials stopped early, within the budget and never measured again, to measure in full: those whose interval
-    (their rate, if they have none) is not clear of the leader's (the picture that stopped them has changed), and the
-    fastest that does less work than the leader (a busy host can slow every step of a short run: a plan that adds
-    work is chosen only over a full measurement of the simpler one); at most ``REMEASURE_TOP``."""
+    """Pick the trials stopped early, within the budget and never measured again, to measure in full.
+
+    These are the trials whose interval (their rate, if they have none) is not clear of the leader's: the picture
+    that stopped them has changed. Also the fastest that does less work than the leader: a busy host can slow every
+    step of a short run, so a plan that adds work is chosen only over a full measurement of the simpler one. At most
+    ``REMEASURE_TOP``."""
     from optuna.trial import TrialState
 
     stopped = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))

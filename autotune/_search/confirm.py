@@ -1,7 +1,9 @@
-"""How a search uses the step-time model as it goes: the predicted best plan runs first (:func:`predicted_best_first`),
-every measured trial calibrates the model and records what it predicted (:func:`observe_trial`), and the search stops
-once its measurements confirm the prediction (:class:`StopWhenConfirmed`): no plan left unmeasured is predicted, even
-by the model's own error, to beat the best measured one."""
+"""Steer a search with the step-time model as it goes.
+
+The predicted best plan runs first (:func:`predicted_best_first`). Every measured trial calibrates the model and
+records what it predicted (:func:`observe_trial`). The search stops once its measurements confirm the prediction
+(:class:`StopWhenConfirmed`): no plan left unmeasured is predicted, even by the model's own error, to beat the best
+measured one."""
 
 from __future__ import annotations
 
@@ -54,10 +56,12 @@ def observe_trial(trial: Any, plan: Plan, speed: SearchSpeed, samples_per_second
 
 
 class StopWhenConfirmed:
-    """Optuna callback: stop the study once at least :data:`MIN_MEASURED` trials measured a plan that fits and no
-    point of the space left unmeasured (its modelled dimensions; ``auto`` as it resolves) is predicted to fit and,
-    given the model's error so far (:data:`PRIOR_ERROR` until two trials tell it), to beat the best measured plan's
-    throughput. Waiting trials the model cannot rule out (variations in dimensions it does not rank, plans it cannot
+    """Optuna callback: stop the study once the measurements confirm the model's choice.
+
+    That is once at least :data:`MIN_MEASURED` trials measured a plan that fits, and no point of the space left
+    unmeasured (its modelled dimensions; ``auto`` as it resolves) is predicted to fit and beat the best measured
+    plan's throughput. The prediction allows for the model's error so far (:data:`PRIOR_ERROR` until two trials tell
+    it). Waiting trials the model cannot rule out (variations in dimensions it does not rank, plans it cannot
     trace) keep the study going."""
 
     def __init__(self, *, space: SearchSpace, speed: SearchSpeed, best: Callable[[Any], float | None],

@@ -1,24 +1,24 @@
-"""The cost model: what a plan's settings cost in time, in one place for the two uses the search makes of it.
+"""Price what a plan's settings cost in time, in one place for the two uses the search makes of it.
 
-- :func:`predicted_cost` orders the first trials (the plans predicted to fit, cheapest first): relative seconds per
-  sample;
-- :func:`simplicity` orders plans by the work they add to a step and the features they depend on: among plans
-  whose measured throughputs cannot be told apart, the search chooses the simplest (``choose.py``), and the plainest
-  choice of each dimension makes the plan halving would find (``halving.py``).
+- :func:`predicted_cost` orders the first trials (the plans predicted to fit, cheapest first) by relative seconds
+  per sample.
+- :func:`simplicity` orders plans by the work they add to a step and the features they depend on. Among plans whose
+  measured throughputs cannot be told apart, the search chooses the simplest (``choose.py``). The plainest choice of
+  each dimension makes the plan halving would find (``halving.py``).
 
 The factors are what is known to cost time whatever the model:
 
-- recomputation: checkpointing a share ``c`` of the blocks runs that share of the forward again, about ``c / 3`` of a
-  step's FLOPs (a backward costs about two forwards);
-- offload: activations over PCIe 1.25, the optimizer step on the host 1.5 (FSDP2's ``cpu_offload`` too: its update
-  runs on the host); low-bit optimizer state 1.05 (a slower update of the same bytes);
-- micro-batch ``m`` (first trials only): a step of ``B`` samples runs ``ceil(B / m)`` forward/backward passes, each
-  with a fixed cost (kernel launches, Python, hooks) of about one sample's compute: ``1 + ceil(B / m) / B``;
-- precision on CUDA (first trials only): 16-bit matmuls run on tensor cores at about twice TF32's rate (0.5;
+- Recomputation: checkpointing a share ``c`` of the blocks runs that share of the forward again, about ``c / 3`` of
+  a step's FLOPs (a backward costs about two forwards).
+- Offload: activations over PCIe 1.25, the optimizer step on the host 1.5 (FSDP2's ``cpu_offload`` too: its update
+  runs on the host). Low-bit optimizer state 1.05 (a slower update of the same bytes).
+- Micro-batch ``m`` (first trials only): a step of ``B`` samples runs ``ceil(B / m)`` forward/backward passes. Each
+  has a fixed cost (kernel launches, Python, hooks) of about one sample's compute: ``1 + ceil(B / m) / B``.
+- Precision on CUDA (first trials only): 16-bit matmuls run on tensor cores at about twice TF32's rate (0.5;
   bf16-true also halves the optimizer's traffic, 0.45). On CPU precision is not modelled (most CPUs have no fast
   16-bit matmul, those with AMX do; autocast adds casts).
 
-Work is what a plan adds to a plain step (:data:`WORK_FIELDS`); features (:data:`FEATURES`) add no computation but
+Work is what a plan adds to a plain step (:data:`WORK_FIELDS`). Features (:data:`FEATURES`) add no computation but
 are one more thing a run depends on (a compiler, worker processes, FP8 kernels, an allocator mode, sharding). The
 precision and the micro-batch are neither: every plan has one of each.
 """

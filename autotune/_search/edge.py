@@ -1,22 +1,25 @@
-"""The budget's edge as a cost: a plan whose peak's spread reaches the budget is judged by the throughput a run of it
-can be expected to give, counting what the runtime does when it overflows, instead of being thrown away.
+"""Judge a plan whose peak's spread reaches the budget by the throughput a run of it can be expected to give.
+
+Such a plan is not thrown away: its expected throughput counts what the runtime does when it overflows.
 
 A plan's measured runs give its largest peak ``P`` and how much its peaks varied, ``noise`` (the larger of the spread
 between its runs and the spread of one run's timed steps: ``choose.peak_noise``). The next run's peak is taken as
 anywhere in ``[P - noise, P + noise]``, so a run overflows the budget ``B`` with chance
 ``(P + noise - B) / (2 noise)`` (:func:`overflow_chance`): 0 with room for the noise, 1/2 at ``P = B``, more above.
 A run whose every timed step was over the budget (its peak over it by more than its steps' spread,
-``choose.over_budget_by``) overflows at once: such a plan overflows often and does not fit; one whose peak is over
+``choose.over_budget_by``) overflows at once: such a plan overflows often and does not fit. One whose peak is over
 the budget within that spread overflowed in a few of a trial's steps, and is judged like the others.
 
-When a run overflows, ``ElasticBatchSize`` halves the micro-batch (on a CUDA cap after replaying the step that ran
-out, the failed attempt lost; on CPU's soft budget the step that went over has finished and the next ones are
-smaller) and grows back only when the step's peak scaled to the larger micro-batch is under 90% of the budget, which
-a plan on the edge is not: the rest of the run goes at the smaller micro-batch. An overflow comes anywhere in a run,
-on average half-way, so a plan's expected time per sample is ``(1 - q/2) / r + (q/2) / r_half`` (plus, on a CUDA
-cap, the failed attempt: ``q / RUN_STEPS`` of a step at ``r``), where ``r`` is its measured samples/s and ``r_half``
-the samples/s at half its micro-batch: measured where the search measured that plan, else ``r`` scaled by the cost
-model (:func:`autotune._search.cost.predicted_cost`). The same rule holds on CPU and on CUDA.
+When a run overflows, ``ElasticBatchSize`` halves the micro-batch. On a CUDA cap that happens after replaying the
+step that ran out, the failed attempt lost. On CPU's soft budget the step that went over has finished and the next
+ones are smaller. It grows back only when the step's peak scaled to the larger micro-batch is under 90% of the
+budget, which a plan on the edge is not, so the rest of the run goes at the smaller micro-batch.
+
+An overflow comes anywhere in a run, on average half-way. So a plan's expected time per sample is
+``(1 - q/2) / r + (q/2) / r_half``, plus, on a CUDA cap, the failed attempt: ``q / RUN_STEPS`` of a step at ``r``.
+Here ``r`` is its measured samples/s and ``r_half`` the samples/s at half its micro-batch. ``r_half`` is measured
+where the search measured that plan, else it is ``r`` scaled by the cost model
+(:func:`autotune._search.cost.predicted_cost`). The same rule holds on CPU and on CUDA.
 """
 
 from __future__ import annotations

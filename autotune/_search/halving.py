@@ -1,15 +1,17 @@
-"""Halving's floor: a search ends with the plan that halving the micro-batch would find measured, so it never ends
-with no plan, or with only slower ones, where halving finds one.
+"""Make sure a search ends with the plan that halving the micro-batch would find, measured: halving's floor.
+
+So a search never ends with no plan, or with only slower ones, where halving finds one.
 
 Halving (``find_executable_batch_size``'s recipe, with the effective batch kept) runs the plain plan at the whole
 batch and halves the micro-batch while a run does not fit. The search's plain plan is its space's plainest point
-(:func:`plain_point`: each dimension at the plan's default where the space offers it, else at the choice that adds
-the least work and the fewest features, ``cost.simplicity``, the first listed among equals). After its trials the
-search walks that ladder (:func:`walk_ladder`): a rung its trials measured is answered (it fits: done; over the
-budget or out of memory: the next rung; a crash: halving would crash too, done), and the first rung not answered is
-run as a trial (a rung the estimator predicts far over the budget, more than 1.5x, is answered without running, as
-any plan is: on CPU nothing would stop it from taking the host's memory), until a rung fits or micro-batch 1 does
-not. Which plan is chosen is the search's own rule (``choose.py``): halving's plan is one more candidate.
+(:func:`plain_point`). That is each dimension at the plan's default where the space offers it, else at the choice
+that adds the least work and the fewest features (``cost.simplicity``), the first listed among equals.
+
+After its trials the search walks that ladder (:func:`walk_ladder`). A rung its trials measured is answered: it
+fits, done; over the budget or out of memory, the next rung; a crash, halving would crash too, done. The first rung
+not answered is run as a trial, until a rung fits or micro-batch 1 does not. A rung the estimator predicts far over
+the budget (more than 1.5x) is answered without running, as any plan is: on CPU nothing would stop it from taking
+the host's memory. Which plan is chosen is the search's own rule (``choose.py``): halving's plan is one more candidate.
 """
 
 from __future__ import annotations

@@ -27,22 +27,21 @@ _TRACING = threading.Lock()  # the estimator's module hooks are process-wide: on
 class SearchEstimator:
     """The estimator as the search uses it: predicted peaks in the search's own measure, and ``auto`` micro-batches.
 
-    The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), the estimator
-    counts tensor bytes: on CPU the process baseline is added, measured by a short trial before the search (its peak
-    less its estimate). Each measured trial then gives its plan's shape (the plan without its micro-batch and dataloader
-    settings) a baseline of its own at that micro-batch, interpolated between the micro-batches measured
-    (:func:`interpolated`; the short run measures the default shape at micro-batch 1): the estimator's error differs
-    between shapes and grows with the micro-batch (checkpointing's recomputation leaves more behind in the
-    resident set than its tensors say, and on CPU a micro-batch whose blocks fall under glibc's 32 MiB mmap threshold
-    can leave far more resident), and one shape's must not shrink another's micro-batches. A shape not measured yet
-    takes the first baseline measured (the short run's).
+    The search measures a CPU trial's peak as the process's resident set (net of file-backed pages), while the
+    estimator counts tensor bytes. So on CPU the process baseline is added, measured by a short trial before the
+    search (its peak less its estimate). Each measured trial then gives its plan's shape (the plan without its
+    micro-batch and dataloader settings) a baseline of its own at that micro-batch. It is interpolated between the
+    micro-batches measured (:func:`interpolated`; the short run measures the default shape at micro-batch 1). The
+    estimator's error differs between shapes and grows with the micro-batch, and one shape's must not shrink
+    another's micro-batches. (Checkpointing's recomputation leaves more behind in the resident set than its tensors
+    say, and on CPU a micro-batch whose blocks fall under glibc's mmap threshold can leave far more resident.) A shape
+    not measured yet takes the first baseline measured (the short run's).
 
     On CUDA a trial's peak is the caching allocator's peak reserve plus the CUDA context (what NVML counts for the
-    process beyond the allocator), the estimator's the bytes allocated: the baseline starts as the estimate's context
-    (``CUDA_CONTEXT_BYTES``; no short run) until a trial measures the real one (:meth:`measured_context`), and each
-    measured trial gives its shape a baseline of its own as on CPU,
-    which takes in the allocator's fragmentation, the real context and what the estimator does not trace (compile,
-    float8, kernels' scratch). Each shape is traced once per micro-batch. Any failure of the estimator is logged and
+    process beyond the allocator); the estimator's is the bytes allocated. The baseline starts as the estimate's
+    context (``CUDA_CONTEXT_BYTES``; no short run) until a trial measures the real one (:meth:`measured_context`).
+    Each measured trial gives its shape a baseline of its own as on CPU. That baseline takes in the allocator's
+    fragmentation, the real context and what the estimator does not trace (compile, float8, kernels' scratch). Each shape is traced once per micro-batch. Any failure of the estimator is logged and
     the search goes on without it.
     """
 
@@ -118,10 +117,11 @@ class SearchEstimator:
         return None if result is _FAILED else result.method
 
     def work(self, plan: Plan) -> StepWork | None:
-        """The FLOPs and bytes of ``plan``'s step, op by op (what its speed is predicted from): its shape's trace at
-        the whole batch, whatever ``plan``'s micro-batch (the step-time model takes a pass's work in proportion to its
-        samples), so every plan of every shape is predicted from a trace made alike; None when the estimator cannot
-        tell."""
+        """Return the FLOPs and bytes of ``plan``'s step, op by op (what its speed is predicted from).
+
+        It is its shape's trace at the whole batch, whatever ``plan``'s micro-batch: the step-time model takes a
+        pass's work in proportion to its samples. So every plan of every shape is predicted from a trace made alike.
+        None when the estimator cannot tell."""
         result = self._call(lambda traces: traces.work(traces.size), plan)
         return None if result is _FAILED else result
 
@@ -163,10 +163,11 @@ class SearchEstimator:
         return changed
 
     def measured_context(self, context_bytes: int) -> bool:
-        """CUDA: a trial's context as NVML counted it. The smallest measured so far replaces the context estimate
-        (``CUDA_CONTEXT_BYTES``) as the baseline of the shapes not measured yet, and as the floor a plan is rejected
-        unmeasured on: the context is the process's, not the plan's (an H200's was 828 MiB against the 512 estimated),
-        and no trial holds less. Returns whether the baseline changed."""
+        """Record a CUDA trial's context as NVML counted it.
+
+        The smallest measured so far replaces the context estimate (``CUDA_CONTEXT_BYTES``) as the baseline of the
+        shapes not measured yet. It is also the floor a plan is rejected unmeasured on: the context is the process's,
+        not the plan's, and no trial holds less (docs/search.md gives a measured one). Returns whether the baseline changed."""
         if self.device.type != "cuda" or context_bytes <= 0:
             return False
         first = not self._context_measured
@@ -188,11 +189,12 @@ class SearchEstimator:
         return self._baseline_at(key, plan.micro_batch_size or math.inf)  # None: the whole batch
 
     def _baseline_at(self, key: str, micro: float) -> int:
-        """Shape ``key``'s baseline at ``micro``: between its own measurements, over the first measured at its
-        micro-batch (on CPU the short run's at micro-batch 1: the process with few tensors, which any shape has below
-        its own; on CUDA the context is an estimate, not a measurement: a shape's own only, the nearest below or
-        above them, since much of a CUDA gap need not shrink with the micro-batch); the first for a shape not
-        measured."""
+        """Return shape ``key``'s baseline at ``micro``, interpolated between its own measurements.
+
+        On CPU the points also hold the first baseline measured, at its micro-batch: the short run's at micro-batch 1,
+        the process with few tensors, which any shape has below its own. On CUDA the context is an estimate, not a
+        measurement, so a shape's own points are used alone. Beyond them the nearest below or above is taken, since
+        much of a CUDA gap need not shrink with the micro-batch. A shape not measured takes the first baseline."""
         own = self._shape_baselines.get(key)
         if not own:
             return self.baseline

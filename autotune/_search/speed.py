@@ -1,8 +1,10 @@
-"""The step-time model as a search uses it: each plan's predicted speed on the search's device, calibrated by the
-trials measured so far (:class:`SearchSpeed`); the order of the first trials (:func:`ranked_candidates`: predicted to
-fit, the fastest predicted first); the dimensions the model does not rank tried one at a time around the first
-(:func:`with_variations`); and which of two plans does less work (:func:`less_work_key`), for telling apart plans
-whose measurements cannot. The model itself: :mod:`autotune._estimate.step_time`; the memory side of the search:
+"""Predict each plan's speed for a search with the step-time model, and order the search's trials by it.
+
+It holds each plan's predicted speed on the search's device, calibrated by the trials measured so far
+(:class:`SearchSpeed`). It orders the first trials (:func:`ranked_candidates`: predicted to fit, the fastest
+predicted first). It tries the dimensions the model does not rank one at a time around the first
+(:func:`with_variations`). And it says which of two plans does less work (:func:`less_work_key`), for telling apart
+plans whose measurements cannot. The model itself: :mod:`autotune._estimate.step_time`; the memory side of the search:
 :mod:`autotune._search.memory`.
 """
 
@@ -202,10 +204,11 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
 
 
 def with_variations(space: SearchSpace, ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ranked candidates with the dimensions the cost model does not know tried one at a time around the first:
-    the first candidate with every other dimension at its first choice, then that point with one dimension changed
-    (each other choice of each dimension in turn), alternating with the next ranked candidates (whose other
-    dimensions the sampler chooses).
+    """Add to the ranked candidates the dimensions the cost model does not know, tried one at a time around the first.
+
+    The first candidate comes with every other dimension at its first choice. Then comes that point with one
+    dimension changed (each other choice of each dimension in turn), alternating with the next ranked candidates
+    (whose other dimensions the sampler chooses).
 
     Example:
         >>> space = SearchSpace("s", "", (Dimension("micro_batch_size", (8, 4)), Dimension("num_workers", (0, 1))))

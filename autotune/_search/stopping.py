@@ -34,10 +34,11 @@ def finished(study: Any) -> int:
 
 
 class MaxMeasured:
-    """Stop once the study has ``trials`` finished trials that were not cache hits, or has an answer for every point
-    of the space (measured, or from the cache) and no point queued again (an ``auto`` point tried again at another
-    micro-batch); as a guard for a small space the sampler keeps re-proposing, also at three times ``trials`` in
-    all."""
+    """Stop once the study has ``trials`` finished trials that were not cache hits, or has nothing left to try.
+
+    Nothing is left when every point of the space has an answer (measured, or from the cache) and no point is queued
+    again (an ``auto`` point tried again at another micro-batch). As a guard for a small space the sampler keeps
+    re-proposing, it also stops at three times ``trials`` in all."""
 
     def __init__(self, trials: int, space_size: int) -> None:
         self.trials, self.space_size = trials, space_size

@@ -1,12 +1,12 @@
-"""The leader's plain twin: before a plan that adds work or features is chosen, the same plan without them is measured.
+"""Measure the leader's plain twin: before a plan that adds work or features is chosen, the same plan without them.
 
 A search's best plan may add recomputation, offload, low-bit state or a feature (compile, dataloader workers, ...)
-while its trials never measured it without them: a 6-trial search on the GPT example led with ``micro 11, workers
-1`` and chose halving's ``micro 8`` over it (as fast within noise, no worker), though ``micro 11`` without the
-worker was likely the fastest. The twin keeps the leader's precision and micro-batch (and any setting the cost model
-counts neither as work nor as a feature) and takes each other searched dimension's plainest choice
-(``halving.plainest``); measured once, it lets the choice among equals (``choose.py``) weigh what the additions buy:
-a plan that adds them is chosen only when it is faster than its twin beyond noise.
+while its trials never measured it without them. Then the choice among equals may fall on a plainer, slower plan
+while the leader without its additions was likely the fastest (docs/search.md gives an example). The twin keeps the
+leader's precision and micro-batch (and any setting the cost model counts neither as work nor as a feature). It
+takes each other searched dimension's plainest choice (``halving.plainest``). Measured once, it lets the choice among
+equals (``choose.py``) weigh what the additions buy: a plan that adds them is chosen only when it is faster than its
+twin beyond noise.
 """
 
 from __future__ import annotations
