@@ -1,19 +1,19 @@
-"""One line per bad value of our callbacks or of a tuned file under LightningCLI (any jsonargparse CLI), instead of
-jsonargparse's usage text or a traceback.
+"""Report each bad value of our callbacks or of a tuned file under LightningCLI in one line.
 
-jsonargparse refuses a value it cannot type-check (``precision: bf17-mixed``, a misspelt key, ``grow: maybe``) by
-printing the parser's whole usage (about 60 lines for a ``Trainer``) and a nested report of the union it tried; a
-value our constructor refuses (``micro_batch_size: 0``, ``budget: -1GiB``) surfaces as an 80-line traceback. Either
-way the sentence that says what is wrong sits in the middle. A type annotation cannot fix that: whatever refuses at
-parse time, jsonargparse prints its usage first, and the Trainer's own arguments and the keys of a class are checked
-before any of our code runs. So :func:`install` (run when ``autotune.callbacks`` is imported, which jsonargparse does
-when it resolves one of our class paths; a tuned file lists its callbacks first for that reason) adds two narrow
-handlers:
+This replaces jsonargparse's usage text or a traceback, under any jsonargparse CLI. jsonargparse refuses a value it
+cannot type-check (``precision: bf17-mixed``, a misspelt key, ``grow: maybe``) by printing the parser's whole usage
+(dozens of lines for a ``Trainer``) and a nested report of the union it tried. A value our constructor refuses
+(``micro_batch_size: 0``, ``budget: -1GiB``) surfaces as a long traceback. Either way the sentence that says what is
+wrong sits in the middle. A type annotation cannot fix that: whatever refuses at parse time, jsonargparse prints its
+usage first, and the Trainer's own arguments and the keys of a class are checked before any of our code runs.
 
-- **a parse error**: when a config file named on the command line (``--config``/``-c``) is a tuned file that
-  ``load_plan`` refuses, or holds an entry of our callbacks whose constructor refuses its ``init_args``, those
-  problems are printed, ``error: FILE: KEY: what is wrong`` one a line, with jsonargparse's exit status 2;
-- **an uncaught ``ValueError`` from one of our constructors called by jsonargparse**: the same problems where the
+So :func:`install` adds two narrow handlers. It runs when ``autotune.callbacks`` is imported, which jsonargparse
+does when it resolves one of our class paths (a tuned file lists its callbacks first for that reason). The handlers:
+
+- **A parse error**: a config file named on the command line (``--config``/``-c``) may be a tuned file that
+  ``load_plan`` refuses, or hold an entry of our callbacks whose constructor refuses its ``init_args``. Those
+  problems are printed, ``error: FILE: KEY: what is wrong`` one a line, with jsonargparse's exit status 2.
+- **An uncaught ``ValueError`` from one of our constructors called by jsonargparse**: the same problems where the
   command line's files show them, else ``error: ClassName: sentence``; exit status 1, as for any uncaught error.
 
 Everything else is left to jsonargparse and Python as before; in plain Python a constructor's ``ValueError`` is raised

@@ -29,32 +29,31 @@ class MemoryMonitor(Callback):
 
     Metrics are logged with ``pl_module.log(..., on_step=True, on_epoch=False)`` on the steps the Trainer writes
     (``Trainer(log_every_n_steps=...)``, as Lightning's ``DeviceStatsMonitor`` does); nothing is measured on the
-    other steps. Peaks are reset at the start of the first step after each write, so a logged peak covers every
-    step since the previous write: one step with ``log_every_n_steps=1``, and a spike in an unlogged step is not
-    lost. :class:`ElasticBatchSize` resets the same peak counters at each attempt of its steps, so with it the
+    other steps. Peaks are reset at the start of the first step after each write. So a logged peak covers every
+    step since the previous write (one step with ``log_every_n_steps=1``), and a spike in an unlogged step is not
+    lost. An :class:`ElasticBatchSize` resets the same peak counters at each attempt of its steps, so with it the
     peak is that of the logged step's last (successful) attempt.
 
-    - CUDA: ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` (caching allocator peaks),
-      ``memory/fragmentation_gib`` (peak reserved minus peak allocated: what the cache held beyond the live
-      tensors' high-water mark, i.e. memory lost to fragmentation and caching at the peak),
-      ``memory/alloc_retries`` (``num_alloc_retries`` since the process started: cudaMalloc failures that forced
-      a cache flush; a rising count means the step runs at the edge) and ``memory/host_rss_gib``.
+    - CUDA: ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` (caching allocator peaks).
+      ``memory/fragmentation_gib``: peak reserved minus peak allocated, what the cache held beyond the live
+      tensors' high-water mark, i.e. memory lost to fragmentation and caching at the peak.
+      ``memory/alloc_retries``: ``num_alloc_retries`` since the process started, cudaMalloc failures that forced a
+      cache flush; a rising count means the step runs at the edge. And ``memory/host_rss_gib``.
     - CPU: ``memory/host_rss_gib`` (now), ``memory/host_peak_rss_gib`` (peak resident set since the reset) and
       ``memory/host_peak_gib`` (that peak net of file-backed pages: what a CPU budget measures).
 
-    Out-of-memory errors, whether they end ``fit`` (``on_exception``) or are recovered by an
-    :class:`ElasticBatchSize` in the same Trainer (noticed at the end of the batch from its ``events``), are
-    reported with a warning on the ``"autotune"`` logger that gives the host RSS and, on CUDA, the allocator
-    figures and the path of a snapshot pickle to open at https://pytorch.org/memory_viz. Allocation history is
+    Out-of-memory errors are reported with a warning on the ``"autotune"`` logger, whether they end ``fit``
+    (``on_exception``) or are recovered by an :class:`ElasticBatchSize` in the same Trainer (noticed at the end of
+    the batch from its ``events``). The warning gives the host RSS and, on CUDA, the allocator figures and the path
+    of a snapshot pickle to open at https://pytorch.org/memory_viz. Allocation history is
     recorded from ``setup`` to ``teardown`` so the snapshot shows the allocations that led to the OOM.
 
-    Cost, measured on CPU with a small MLP: about 1.1 ms per written step, nearly all of it in Lightning's
-    ``self.log`` (about 0.5 ms a key); with the Trainer's default ``log_every_n_steps=50``, about 30 us per step.
+    Its cost is in docs/elastic.md; most of it is Lightning's ``self.log``.
 
     Args:
         snapshot_dir: where CUDA snapshots go; None: ``<trainer.log_dir or default_root_dir>/memory_snapshots``.
         record_history: record the CUDA allocation history (Python stacks of the last ``max_entries`` allocs and
-            frees, about 2 us each) so snapshots show how memory got there; with False they hold the segments only.
+            frees) so snapshots show how memory got there; with False they hold the segments only.
         max_entries: allocation events kept in the history ring buffer; torch estimates a few KB of host memory
             each, so the default may hold a few hundred MB once full: lower it where host memory is tight.
         max_snapshots: snapshot files written at most by this callback (0: none); further OOMs are still logged.

@@ -51,8 +51,8 @@ def set_closure_loss(closure: Any, total: Any, *, extra: Any = None) -> None:
     ``total`` is the sum of the weighted micro-batch losses; ``extra`` holds the other keys ``training_step`` returned,
     put together from the micro-batches (None: keep the last call's). ``Closure._result`` (a ``ClosureResult``) is
     replaced by a new ``lightning.pytorch.loops.optimization.automatic.ClosureResult``. Nothing is done where the
-    closure has no result or ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would show one micro-batch's
-    loss, or fail."""
+    closure has no result or ``total`` is None. If either changed, the progress bar and ``training_step`` outputs would
+    show one micro-batch's loss, or fail."""
     from lightning.pytorch.loops.optimization.automatic import ClosureResult
 
     result = getattr(closure, "_result", None)

@@ -1,11 +1,11 @@
 """What a step used: the peak meter (CUDA allocator, or the host process's memory) and the process's resident set.
 
-On the host the budget's measure is the process's memory net of file-backed pages: its resident set (RSS) less
-the pages of the files it has mapped (torch's shared libraries above all). Those pages are shared with every other
-process mapping the same files, and the kernel drops them under pressure. How many of them a process has mapped
-depends on the page cache rather than on the plan (docs/elastic.md gives a measured example). What is left, anonymous and shared-memory pages, is what the process
-allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in shared memory. The kernel
-keeps no peak of those alone: :func:`peak_host_bytes` says how close the peak read here comes.
+On the host the budget's measure is the process's memory net of file-backed pages: its resident set (RSS) less the pages
+of the files it has mapped (torch's shared libraries above all). Those pages are shared with every other process mapping
+the same files, and the kernel drops them under pressure. How many of them a process has mapped depends on the page
+cache rather than on the plan (docs/elastic.md gives a measured example). What is left, anonymous and shared-memory
+pages, is what the process allocated: the interpreter's objects, tensors, the C allocator's heap, DataLoader batches in
+shared memory. The kernel keeps no peak of those alone: :func:`peak_host_bytes` says how close the peak read here comes.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ def current_host_bytes() -> int:
 def release_host_memory() -> bool:
     """Give the C allocator's free memory back to the system.
 
-    It calls glibc's ``malloc_trim(0)``, which also releases free pages inside the heap. glibc keeps freed blocks
-    under its mmap threshold (which rises as large blocks are freed) resident for the next allocation, so a process's
-    resident set never shrinks by itself. Without this, after a step over a CPU budget, the next and smaller step
-    would be measured at what the larger one left, over the budget again. Returns whether it could (False where the C library has no ``malloc_trim``: not glibc)."""
+    It calls glibc's ``malloc_trim(0)``, which also releases free pages inside the heap. glibc keeps freed blocks under
+    its mmap threshold (which rises as large blocks are freed) resident for the next allocation, so a process's resident
+    set never shrinks by itself. Without this, after a step over a CPU budget, the next and smaller step would be
+    measured at what the larger one left, over the budget again. Returns whether it could (False where the C library has
+    no ``malloc_trim``: not glibc)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
         import ctypes

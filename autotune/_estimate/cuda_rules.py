@@ -9,10 +9,11 @@ a CUDA run does differently:
   (2 MiB segments for requests up to 1 MiB, 20 MiB or the request rounded to 2 MiB above). That fragmentation
   depends on the order of allocations and is not estimated; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
   (the plan's ``allocator``) removes most of it.
-- **Autocast's CUDA op lists** (:class:`CudaAutocast`): which dtype each op runs in decides what the forward saves
-  for backward. Under ``*-mixed``, CUDA runs matrix products, convolutions and attention in the low dtype. It runs
-  norms, softmax, losses and pointwise ``exp``/``pow``/``rsqrt``... in fp32. CPU autocast's lists differ (it keeps ``layer_norm`` and ``softmax``
-  in bf16), so they are replaced by CUDA's, read from the dispatcher's ``AutocastCUDA`` registrations.
+- **Autocast's CUDA op lists** (:class:`CudaAutocast`): which dtype each op runs in decides what the forward saves for
+  backward. Under ``*-mixed``, CUDA runs matrix products, convolutions and attention in the low dtype. It runs norms,
+  softmax, losses and pointwise ``exp``/``pow``/``rsqrt``... in fp32. CPU autocast's lists differ (it keeps
+  ``layer_norm`` and ``softmax`` in bf16), so they are replaced by CUDA's, read from the dispatcher's ``AutocastCUDA``
+  registrations.
 - **Kernel workspace**: cuBLAS's workspaces (:func:`cublas_workspace_bytes`) are in the overhead; the CPU's oneDNN
   work buffers are not measured. Other CUDA kernels' scratch (cuDNN convolution workspaces) is not counted.
 - **The CUDA context** (:data:`CUDA_CONTEXT_BYTES`) is device memory outside the caching allocator, so outside the

@@ -95,14 +95,14 @@ def estimate(
     """Predict the peak memory of one training step of ``model`` with ``plan`` on one micro-batch of ``batch``.
 
     Nothing runs on the device and ``model`` is not touched: a copy without data is traced. That trace fails on a step
-    that reads tensor values (``.item()``, a mask checked with ``.all()``, data-dependent routing) or on an op without
-    a fake rule. Then a copy with real weights runs on the host instead. It runs at the micro-batch asked up to 4, and
+    that reads tensor values (``.item()``, a mask checked with ``.all()``, data-dependent routing) or on an op without a
+    fake rule. Then a copy with real weights runs on the host instead. It runs at the micro-batch asked up to 4, and
     where the work of its step is within the real path's limits (FLOPs, bytes allocated, host memory held: on the line
-    through micro-batches 1 and 2). Else each moment of the step is taken from two smaller powers of two to it. The rule is the
-    work's, never the clock's: the same answer on a busy host. ``Estimate.method`` and the first of ``Estimate.notes``
-    say which and why. CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on either path. A
-    checkpointing, compile or offload setting that applies to nothing (blocks whose own forward never runs) is named in
-    the notes.
+    through micro-batches 1 and 2). Else each moment of the step is taken from two smaller powers of two to it. The rule
+    is the work's, never the clock's: the same answer on a busy host. ``Estimate.method`` and the first of
+    ``Estimate.notes`` say which and why. CUDA's rules (allocator rounding, workspaces, autocast op lists) apply on
+    either path. A checkpointing, compile or offload setting that applies to nothing (blocks whose own forward never
+    runs) is named in the notes.
 
     Args:
         model: The LightningModule (automatic optimization).

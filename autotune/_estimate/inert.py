@@ -1,8 +1,9 @@
 """Find the plan settings that apply to nothing for a model while its step is traced.
 
-They are: checkpointing that finds no blocks, or whose blocks never run their own forward (a model iterating its
-layers' parts by hand); compile whose modules never run through their own call; activation offload on the CPU;
-optimizer offload with no parameter large enough to move. The estimate names each in its notes (``Estimate.notes``); the search drops such choices for its target.
+They are: checkpointing that finds no blocks, or whose blocks never run their own forward (a model iterating its layers'
+parts by hand); compile whose modules never run through their own call; activation offload on the CPU; optimizer offload
+with no parameter large enough to move. The estimate names each in its notes (``Estimate.notes``); the search drops such
+choices for its target.
 """
 
 from __future__ import annotations

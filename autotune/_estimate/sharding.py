@@ -11,11 +11,11 @@ The shards (parameters, gradients, state) keep the fp32 master dtype given as ``
 unit also casts its floating-point inputs to bf16 (``cast_forward_inputs``, :func:`cast_unit_inputs`), so what passes
 between units is bf16.
 
-A backward makes the unsharded gradient of one unit at a time (in the reduce dtype) and its reduce-scatter input.
-Both are counted for the largest unit, at a peak in the backward only. The gradient shards alive at a peak are the
-traced share of the whole model's gradients (:meth:`RankState.at_peak`). That is all of the last step's in the
-forward, none at the start of a backward (Lightning's ``zero_grad`` sits between the two). With ``cpu_offload`` the shards (parameters, gradients, state) are
-on the host and the update runs there.
+A backward makes the unsharded gradient of one unit at a time (in the reduce dtype) and its reduce-scatter input. Both
+are counted for the largest unit, at a peak in the backward only. The gradient shards alive at a peak are the traced
+share of the whole model's gradients (:meth:`RankState.at_peak`). That is all of the last step's in the forward, none at
+the start of a backward (Lightning's ``zero_grad`` sits between the two). With ``cpu_offload`` the shards (parameters,
+gradients, state) are on the host and the update runs there.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ bound that set them (``compute`` or ``memory``). On top:
   the longer of the two; on the CPU they add up.
 
 ``compile`` is not traced (the trace is the eager step). Fusing a block's pointwise operators is taken to leave
-:data:`COMPILE_BYTES` of their memory traffic and :data:`COMPILE_LAUNCHES` of their launches. A memory budget
-``b < 1`` is taken to recompute ``1 - b`` of the forward's pointwise operators. ``float8`` runs matrix products at the FP8 peak
+:data:`COMPILE_BYTES` of their memory traffic and :data:`COMPILE_LAUNCHES` of their launches. A memory budget ``b < 1``
+is taken to recompute ``1 - b`` of the forward's pointwise operators. ``float8`` runs matrix products at the FP8 peak
 with a cast of their inputs (half their bytes again). Those three are guesses the calibration corrects.
 """
 

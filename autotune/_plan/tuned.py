@@ -314,7 +314,7 @@ def yaml_problem(err: BaseException) -> str:
 
     Example:
         >>> try:
-        ...     safe_load_unique("a: [1, 2\nb: 3")
+        ...     safe_load_unique("a: [1, 2\\nb: 3")
         ... except yaml.YAMLError as err:
         ...     print(yaml_problem(err))
         expected ',' or ']', but got ':' at line 2, column 2 (while parsing a flow sequence)

@@ -30,9 +30,9 @@ GROW_HEADROOM = 0.9
 class Memory(NamedTuple):
     """What the policy knows of this process's memory.
 
-    ``budget_bytes`` is the budget resolved (None: no budget). ``limit_bytes`` is what a step may not pass, where one
-    is known (CUDA's cap or device, a host budget). ``hard`` says whether the budget is hard (CUDA: the allocator
-    raises at it) or soft (a host budget, checked after each step). ``budget_text`` is the budget as the user wrote it."""
+    ``budget_bytes`` is the budget resolved (None: no budget). ``limit_bytes`` is what a step may not pass, where one is
+    known (CUDA's cap or device, a host budget). ``hard`` says whether the budget is hard (CUDA: the allocator raises at
+    it) or soft (a host budget, checked after each step). ``budget_text`` is the budget as the user wrote it."""
 
     budget_bytes: int | None = None
     limit_bytes: int | None = None

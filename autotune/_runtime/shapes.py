@@ -32,13 +32,13 @@ probability is over the ``w`` left and their intervals (log-uniform in ``C``). A
 count it gives, so a larger one is tried only when it saves a micro-batch. After an out-of-memory error the replay
 takes what every ``w`` says fits (``confidence`` 1).
 
-Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first. A new point
-that contradicts an older one on the other frontier removes it: a success at a load an older failure ruled out, or a
-failure where a micro-batch ran before. A fit removed that way is remembered as *lost*: memory pressure (another
-process, fragmentation) may have caused the failure. A **probe** runs when the runtime allows one (after
-``grow_after`` clean steps). It tries the fewest micro-batches that no evidence rules out: a lost fit, or a split
-whose chance of fitting is below ``confidence`` but above zero. So a batch just under the boundary is not held split
-for the rest of the run, and either outcome moves a frontier. A failure at a load never seen to work rules that load out, and it is not probed.
+Evidence is kept on two Pareto frontiers (at most one point per micro-batch size each), newest first. A new point that
+contradicts an older one on the other frontier removes it: a success at a load an older failure ruled out, or a failure
+where a micro-batch ran before. A fit removed that way is remembered as *lost*: memory pressure (another process,
+fragmentation) may have caused the failure. A **probe** runs when the runtime allows one (after ``grow_after`` clean
+steps). It tries the fewest micro-batches that no evidence rules out: a lost fit, or a split whose chance of fitting is
+below ``confidence`` but above zero. So a batch just under the boundary is not held split for the rest of the run, and
+either outcome moves a frontier. A failure at a load never seen to work rules that load out, and it is not probed.
 
 Limits: the model knows shape, not content (two batches of one shape cost the same). The batch's sample size is its
 padded size. A per-sample cost that falls with the size, or grows faster than its square, is outside the family. It

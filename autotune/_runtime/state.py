@@ -78,14 +78,14 @@ class MetricStates:
 class BufferStates:
     """Put the module's buffers back as a step found them after a failed attempt, so a replay sees each sample once.
 
-    The buffers are norm layers' running statistics, a running normaliser's mean, a step counter, and what DDP
-    broadcast into them. A buffer is copied (on its device, one ``foreach`` copy into tensors made once) only while it
-    is known to change. Every buffer is copied until a training step has run. The copies are then compared with what
-    the step left: its version counter, and its values (BatchNorm's kernels update the running statistics without
-    bumping the counter). From then on only the buffers a step changed or replaced are copied, with those of norm
-    layers in training mode. Buffers that never change (``position_ids``, rotary frequencies, masks) cost nothing after the first step. A
-    buffer that changes for the first time in a later step that fails cannot be put back: a warning says so once, and
-    it is copied from then on.
+    The buffers are norm layers' running statistics, a running normaliser's mean, a step counter, and what DDP broadcast
+    into them. A buffer is copied (on its device, one ``foreach`` copy into tensors made once) only while it is known to
+    change. Every buffer is copied until a training step has run. The copies are then compared with what the step left:
+    its version counter, and its values (BatchNorm's kernels update the running statistics without bumping the counter).
+    From then on only the buffers a step changed or replaced are copied, with those of norm layers in training mode.
+    Buffers that never change (``position_ids``, rotary frequencies, masks) cost nothing after the first step. A buffer
+    that changes for the first time in a later step that fails cannot be put back: a warning says so once, and it is
+    copied from then on.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:

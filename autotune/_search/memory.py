@@ -38,11 +38,11 @@ class SearchEstimator:
     not measured yet takes the first baseline measured (the short run's).
 
     On CUDA a trial's peak is the caching allocator's peak reserve plus the CUDA context (what NVML counts for the
-    process beyond the allocator); the estimator's is the bytes allocated. The baseline starts as the estimate's
-    context (``CUDA_CONTEXT_BYTES``; no short run) until a trial measures the real one (:meth:`measured_context`).
-    Each measured trial gives its shape a baseline of its own as on CPU. That baseline takes in the allocator's
-    fragmentation, the real context and what the estimator does not trace (compile, float8, kernels' scratch). Each shape is traced once per micro-batch. Any failure of the estimator is logged and
-    the search goes on without it.
+    process beyond the allocator); the estimator's is the bytes allocated. The baseline starts as the estimate's context
+    (``CUDA_CONTEXT_BYTES``; no short run) until a trial measures the real one (:meth:`measured_context`). Each measured
+    trial gives its shape a baseline of its own as on CPU. That baseline takes in the allocator's fragmentation, the
+    real context and what the estimator does not trace (compile, float8, kernels' scratch). Each shape is traced once
+    per micro-batch. Any failure of the estimator is logged and the search goes on without it.
     """
 
     def __init__(self, target: Any, device: Any, *, trace: str = "auto",
@@ -167,7 +167,8 @@ class SearchEstimator:
 
         The smallest measured so far replaces the context estimate (``CUDA_CONTEXT_BYTES``) as the baseline of the
         shapes not measured yet. It is also the floor a plan is rejected unmeasured on: the context is the process's,
-        not the plan's, and no trial holds less (docs/search.md gives a measured one). Returns whether the baseline changed."""
+        not the plan's, and no trial holds less (docs/search.md gives a measured one). Returns whether the baseline
+        changed."""
         if self.device.type != "cuda" or context_bytes <= 0:
             return False
         first = not self._context_measured

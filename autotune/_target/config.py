@@ -1,8 +1,8 @@
-"""The LightningCLI-config half of :mod:`autotune._target.target`, and the helpers that both halves share.
+"""Read a LightningCLI config into a target's parts: the config half of :mod:`autotune._target.target`.
 
-It reads and checks a config as a whole (``model:``, ``data:``, ``optimizer:`` and ``lr_scheduler:`` sections checked
-with jsonargparse, ``trainer:`` and ``seed_everything:``), builds the parts of a target from a config (model, data,
-trainer arguments, seed: :mod:`autotune._target.target` makes the ``Target`` of them), and installs a config's
+It reads and checks a config as a whole: ``model:``, ``data:``, ``optimizer:`` and ``lr_scheduler:`` sections checked
+with jsonargparse, ``trainer:`` and ``seed_everything:``. It builds the parts of a target from a config (model, data,
+trainer arguments, seed: :mod:`autotune._target.target` makes the ``Target`` of them). It installs a config's
 optimizer and scheduler as a model's ``configure_optimizers``. It also holds :class:`TargetError` and the small helpers
 that factory targets use too (``sys.path`` handling, seeding, one-line errors). The dependency goes one way:
 :mod:`autotune._target.target` imports from here, and this module never imports it.

@@ -2,19 +2,19 @@
 
 A TARGET is one of:
 
-- ``path/to/file.py:factory``: a Python file (relative to the current directory or absolute), imported under a
-  unique module name with its folder on ``sys.path`` while it imports and while ``factory`` runs, so sibling
-  imports work;
+- ``path/to/file.py:factory``: a Python file (relative to the current directory or absolute). It is imported under
+  a unique module name with its folder on ``sys.path`` while it imports and while ``factory`` runs, so sibling
+  imports work.
 - ``package.module:factory``: an importable module (the current directory is on ``sys.path``, as for
-  ``python -m``);
+  ``python -m``).
 - ``path/to/cli.yaml``: a LightningCLI config whose ``model:`` and ``data:`` sections name a ``class_path`` (and
-  optional ``init_args``); class paths import with the current directory and the config's folder on ``sys.path``.
+  optional ``init_args``). Class paths import with the current directory and the config's folder on ``sys.path``.
 
 ``factory()`` returns ``(LightningModule, LightningDataModule)`` or a ``LightningModule`` with its own
 ``train_dataloader``. A config may also hold ``trainer:`` (returned as a dict), ``seed_everything:`` (applied
 before each build), and ``optimizer:``/``lr_scheduler:`` (installed as the model's ``configure_optimizers``, as
-LightningCLI does). A config can also come with a factory target (``--config``): the factory builds the model and
-data, the config gives the rest and its ``model:``/``data:`` sections are not read.
+LightningCLI does). A config can also come with a factory target (``--config``). Then the factory builds the model
+and data, the config gives the rest, and its ``model:``/``data:`` sections are not read.
 
 Every malformed target raises :class:`TargetError` with one line that names the target and what is accepted.
 Reading a config, and the helpers both kinds of target share, live in :mod:`autotune._target.config`.

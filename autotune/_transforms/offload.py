@@ -1,16 +1,16 @@
-"""Optimizer-state offload: the user's optimizer run by torchao's ``CPUOffloadOptimizer`` inside Lightning.
+"""Run the user's optimizer through torchao's ``CPUOffloadOptimizer`` inside Lightning: optimizer-state offload.
 
 torchao does the offload itself (pinned host copies of the parameters, gradient copies on a side stream as backward
 produces them, the update on the CPU, parameters copied back). This module makes it a drop-in for the optimizer
 ``configure_optimizers`` returned:
 
-- the user's optimizer stays the holder of the hyper-parameters: its ``param_groups`` are the ones LR schedulers,
-  ``LearningRateMonitor`` and gradient clipping see, and they are copied into torchao's per-parameter groups before
-  every update;
-- the closure Lightning passes to ``step`` runs with gradients enabled (torchao's ``step`` runs under ``no_grad``);
-- gradients changed after backward (clipping, GradScaler unscaling, ``on_before_optimizer_step``) are copied to the
-  host again before the update, since torchao copied them as backward produced them;
-- checkpoints hold the optimizer's ordinary ``state_dict`` layout, so a run can switch offload on or off on resume.
+- The user's optimizer stays the holder of the hyper-parameters. Its ``param_groups`` are the ones LR schedulers,
+  ``LearningRateMonitor`` and gradient clipping see. They are copied into torchao's per-parameter groups before
+  every update.
+- The closure Lightning passes to ``step`` runs with gradients enabled (torchao's ``step`` runs under ``no_grad``).
+- Gradients changed after backward (clipping, GradScaler unscaling, ``on_before_optimizer_step``) are copied to the
+  host again before the update, since torchao copied them as backward produced them.
+- Checkpoints hold the optimizer's ordinary ``state_dict`` layout, so a run can switch offload on or off on resume.
 """
 
 from __future__ import annotations
