@@ -26,7 +26,8 @@ def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module]:
     must be a module that is called.
 
     Example:
-        >>> net = nn.Sequential(nn.Embedding(10, 4), *[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+        >>> class Block(nn.Sequential): ...
+        >>> net = nn.Sequential(nn.Embedding(10, 4), *[Block(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
         >>> blocks, root = sharding_units(net)
         >>> len(blocks), root is net
         (2, True)
