@@ -311,6 +311,9 @@ MUTATIONS = (
              RUNTIME + "policy.py", "MicroBatchPolicy.after_oom", FalseTest("own"),
              (POLICY + "test_its_own_oom_halves_and_another_ranks_changes_nothing",
               DIFFER + "test_a_rank_whose_micro_batch_fits_is_not_shrunk_by_its_peers_ooms")),
+    Mutation("soft-budget-failed-grow-waits-longer", "a grow that goes over a soft budget doubles the wait, as a "
+             "failed grow does", RUNTIME + "policy.py", "MicroBatchPolicy._over_budget", FalseTest("grew"),
+             (POLICY + "test_a_grow_that_goes_over_a_soft_budget_doubles_the_wait_as_a_failed_grow_does",)),
     Mutation("ddp-buffers-broadcast-each-step", "DDP's buffers are broadcast once per step, as in Lightning's "
              "accumulation", RUNTIME + "sync.py", "DDPBuffers.before_attempt", Skip("sync_ddp_buffers"),
              (DIFFER + "test_ranks_that_differ_end_exact[2]", DIFFER + "test_ranks_that_differ_end_exact[3]")),

@@ -139,9 +139,11 @@ class MicroBatchPolicy:
     def after_success(self, *, n: int, ran: int, clean: bool, step: int, peaks: StepPeaks | None) -> None:
         """The step ran at ``ran`` samples per micro-batch (``clean``: at its first attempt); ``peaks``: what it
         measured (None: not measured). Learns from it, checks a soft budget, and grows when growing is due."""
+        grew = False
         if self.growing_from is not None:
             if ran > self.growing_from:  # (not when other ranks' count held this one to what it ran before)
                 self._record("grow", step, self.growing_from, ran, peak=peaks.peak if peaks else 0)
+                grew = True
             self.growing_from = None
         self.clean_steps += int(clean)
         shapes, memory = self.shapes, self.memory
@@ -149,7 +151,7 @@ class MicroBatchPolicy:
         if peaks is not None and limit is not None:
             shapes.model.set_memory(limit_bytes=int(GROW_HEADROOM * limit), static_bytes=peaks.static)
         shapes.model.fitted(ran, shapes.size, max(0, peaks.grows - peaks.static) if peaks is not None else 0)
-        if peaks is not None and self._over_budget(ran, n, step, peaks.peak):
+        if peaks is not None and self._over_budget(ran, n, step, peaks.peak, grew=grew):
             return
         held = self._micro is not None and ran < min(self._micro, n)  # the ranks' count ran less than this rank's
         if held or not (self.grow and ran < n and self.clean_steps >= self.grow_wait and not shapes.varies):
@@ -168,9 +170,12 @@ class MicroBatchPolicy:
         else:
             log.debug("autotune: not growing %d -> %d: projected peak %s", ran, target, format_bytes(int(projected)))
 
-    def _over_budget(self, ran: int, n: int, step: int, peak: int) -> bool:
+    def _over_budget(self, ran: int, n: int, step: int, peak: int, *, grew: bool = False) -> bool:
         """A soft budget's check of this rank's step peak: over it, the micro-batch shrinks for the next step (at the
-        minimum, a warning once). Whether it was over."""
+        minimum, a warning once). Whether it was over.
+
+        A step that ``grew`` and went over is a failed grow, as an OOM would be: the wait before the next one doubles
+        (else a run would grow back into the same overflow every ``grow_after`` steps)."""
         budget = self.memory.budget_bytes
         if budget is None or self.memory.hard or peak <= budget:
             return False
@@ -182,6 +187,8 @@ class MicroBatchPolicy:
             if not shapes.varies:
                 self._micro = smaller
             self.clean_steps = 0
+            if grew:
+                self.grow_wait *= 2
         elif not self._warned_floor:
             self._warned_floor = True
             log.warning("Step peak %s is over the budget %s at the minimum micro-batch %d%s; the CPU budget is soft, "

@@ -65,3 +65,19 @@ def test_a_rank_held_to_the_ranks_count_keeps_its_own_micro_batch_and_does_not_g
     for step in range(4):
         p.after_success(n=64, ran=16, clean=True, step=step, peaks=None)
     assert p.micro_batch_size == 64 and p.events == []  # growing from 16 would have set it to 32
+
+
+def test_a_grow_that_goes_over_a_soft_budget_doubles_the_wait_as_a_failed_grow_does() -> None:
+    p = policy(micro_batch_size=16, memory=Memory(budget_bytes=1000, limit_bytes=1000, budget_text="1000B"))
+    fits, over = StepPeaks(peak=500, static=100, grows=500, load=500), StepPeaks(peak=1001)
+    for step in range(2):
+        p.after_success(n=64, ran=p.micro_for(64), clean=True, step=step, peaks=fits)
+    assert p.micro_batch_size == 32 and p.growing_from == 16  # projected 900 B: growing is due
+    p.after_success(n=64, ran=p.micro_for(64), clean=True, step=2, peaks=over)  # the grown step went over
+    assert p.micro_batch_size == 16 and p.grow_wait == 4
+    assert [e.kind for e in p.events] == ["grow", "over_budget"]
+    for step in range(3, 6):  # three clean steps: not yet
+        p.after_success(n=64, ran=p.micro_for(64), clean=True, step=step, peaks=fits)
+        assert p.micro_batch_size == 16
+    p.after_success(n=64, ran=p.micro_for(64), clean=True, step=6, peaks=fits)  # the fourth: grows again
+    assert p.micro_batch_size == 32
