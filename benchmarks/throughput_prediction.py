@@ -333,7 +333,10 @@ def main() -> None:
             results["measured"][name] = data
             write_json(args.json, results)
 
-        earlier = known.get(name) or known.get(SAME_AS.get(name, ""), {})
+        # this run's measurements so far (those of --measured included): a target measured as another one earlier
+        # in the same run reuses them
+        done = results["measured"]
+        earlier = done.get(name) or done.get(SAME_AS.get(name, ""), {})
         if name in SAME_AS:  # its own budget and ``auto`` plans, the other's measurements
             earlier = {**earlier, "budget": None}
         data = measure_all(name, TARGETS[name], args.rounds, earlier, save)
