@@ -333,10 +333,10 @@ def main() -> None:
             results["measured"][name] = data
             write_json(args.json, results)
 
-        # this run's measurements so far (those of --measured included): a target measured as another one earlier
-        # in the same run reuses them
+        # this run's measurements so far (those of --measured included); a target measured as another takes the
+        # other's wherever there are some (the same plans; its own copy from an earlier run may have fewer rounds)
         done = results["measured"]
-        earlier = done.get(name) or done.get(SAME_AS.get(name, ""), {})
+        earlier = done.get(SAME_AS[name]) or done.get(name, {}) if name in SAME_AS else done.get(name, {})
         if name in SAME_AS:  # its own budget and ``auto`` plans, the other's measurements
             earlier = {**earlier, "budget": None}
         data = measure_all(name, TARGETS[name], args.rounds, earlier, save)
