@@ -14,7 +14,9 @@ every plan fits). For each:
   after 2; a plan's figure is the best of its runs, its peak the largest (resident set net of file pages). CPU time,
   not wall time: on this shared 2-core VM, where other sessions' test suites keep the load average at 6 to 12, the
   same plan's wall-clock samples/s moved by up to 6x between runs, its CPU-time figure by 6% at most (both are kept:
-  ``wall_samples_per_second``);
+  ``wall_samples_per_second``). Not always: in a run (2026-11-27) whose load average rose from 2.5 to 10 between its
+  two rounds, the GPT's 60 plans lost 12% of CPU-time samples/s in the median (16% apart, 45% at most; the rounds'
+  Spearman 0.86): CPU time shields from the load's share of the cores, not from what it does to caches and clocks;
 - **budget**: for ``hungry`` and ``llama`` the middle of the widest gap between the measured peaks in their middle 60%
   (about half the plans fit, none within a run's noise of the budget);
 - **predicted**: ``autotune.predict_speed`` on this machine's CPU (measured once by the model's microbenchmark, with
@@ -333,7 +335,10 @@ def main() -> None:
             results["measured"][name] = data
             write_json(args.json, results)
 
-        earlier = known.get(name) or known.get(SAME_AS.get(name, ""), {})
+        # this run's measurements so far (those of --measured included); a target measured as another takes the
+        # other's wherever there are some (the same plans; its own copy from an earlier run may have fewer rounds)
+        done = results["measured"]
+        earlier = done.get(SAME_AS[name]) or done.get(name, {}) if name in SAME_AS else done.get(name, {})
         if name in SAME_AS:  # its own budget and ``auto`` plans, the other's measurements
             earlier = {**earlier, "budget": None}
         data = measure_all(name, TARGETS[name], args.rounds, earlier, save)
