@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from autotune._compat.lightning import BATCH_TRANSFER_HANDLER, batch_transfer_handler, logs_written_this_step
 from autotune._compat.torch import is_batch_norm
-from autotune._device.budget import Budget, format_bytes
+from autotune._device.budget import Budget, ResolvedBudget, format_bytes, resolve_budget
 from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine
 from autotune._runtime.policy import Memory, MicroBatchPolicy
@@ -48,7 +48,9 @@ class ElasticBatchSize(Callback):
 
     Args:
         budget: memory this process may use: bytes like ``"20GiB"`` or ``4294967296``, a fraction of the device's total
-            like ``0.8``, ``"auto"`` (free memory minus a margin), or None to react to OOM only (on CUDA the device's
+            like ``0.8``, ``"auto"`` (free memory minus a margin), a budget already resolved to bytes for this device
+            (:func:`autotune._device.budget.resolve_budget`: a search's trial gets the bytes the search judges it
+            against, not a second reading), or None to react to OOM only (on CUDA the device's
             memory, or the cap of ``set_per_process_memory_fraction`` where one is set before fit, is then the limit
             that growing and the shape model work to). On CUDA the budget is a
             hard cap on the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so a large GPU behaves
@@ -87,7 +89,7 @@ class ElasticBatchSize(Callback):
     def __init__(
         self,
         *,
-        budget: str | int | float | None = None,
+        budget: str | int | float | ResolvedBudget | None = None,
         micro_batch_size: int | None = None,
         min_micro_batch_size: int = 1,
         grow: bool = True,
@@ -115,7 +117,10 @@ class ElasticBatchSize(Callback):
             raise ValueError(
                 f"`micro_batch_size` ({micro_batch_size}) must be >= `min_micro_batch_size` ({min_micro_batch_size})"
             )
-        self.budget = None if budget is None else Budget.parse(budget)
+        # a budget resolved already (a trial's) is kept as bytes; any other is resolved at ``setup``, on its device
+        self._resolved = budget if isinstance(budget, ResolvedBudget) else None
+        self.budget = None if budget is None else Budget.parse(
+            budget if self._resolved is None else self._resolved.budget or self._resolved.budget_bytes)
         self._start_micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
         self.grow = bool(grow)
@@ -208,8 +213,8 @@ class ElasticBatchSize(Callback):
         self._install(trainer, pl_module)
 
     def _resolve_budget(self, device: torch.device) -> tuple[int | None, int | None]:
-        probe = probe_memory(device)
         if self.budget is None:
+            probe = probe_memory(device)
             if device.type != "cuda":
                 return None, probe.free_bytes
             # A cap set before fit (``set_per_process_memory_fraction``: by the user, a launcher, a shared node's
@@ -221,7 +226,7 @@ class ElasticBatchSize(Callback):
             if not 0.0 < fraction < 1.0:  # no cap (some plugged-in allocators answer 0)
                 return None, probe.total_bytes
             return None, min(probe.total_bytes, int(fraction * torch.cuda.mem_get_info(device)[1]))
-        budget_bytes = self.budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
+        budget_bytes = resolve_budget(self._resolved or self.budget, device).budget_bytes
         if device.type == "cuda":
             allocator_total = torch.cuda.mem_get_info(device)[1]  # what the fraction multiplies (NVML's may differ)
             fraction = min(1.0, budget_bytes / allocator_total)

@@ -377,7 +377,7 @@ MUTATIONS = (
                                                                           "longest_batch(self.target, batches=1)"),
              ("tests/search/test_shapes.py::test_the_search_estimates_on_the_largest_batch",)),
     Mutation("trials-run-the-longest-batch", "a trial's peak covers the longest batch the search read",
-             "autotune/_search/search.py", "_Objective._spec", Keyword("long_batch", "None"),
+             "autotune/_search/objective.py", "Objective._spec", Keyword("long_batch", "None"),
              ("tests/search/test_shapes.py::test_each_trial_runs_the_longest_batch_so_a_plan_that_cannot_hold_it_is_"
               "infeasible",)),
     Mutation("soft-budget-shrink-gives-the-heap-back", "a step over a CPU budget halves once, not down to the minimum",
@@ -405,14 +405,14 @@ MUTATIONS = (
               "tests/search/test_simplest.py::test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_"
               "again")),
     Mutation("trial-stops-on-its-interval", "a trial is stopped as too slow on its interval, not on a few slow steps",
-             "autotune/_search/meter.py", "_decide", FalseTest("MIN_TIMED"),
+             "autotune/_search/meter.py", "Meter._decide", FalseTest("MIN_TIMED"),
              ("tests/search/test_choice.py::test_a_run_is_stopped_as_too_slow_on_its_interval_never_on_a_few_slow_"
               "steps",)),
     Mutation("search-measures-the-leader-s-plain-twin", "a plan adding a feature is measured against its plain twin",
              "autotune/_search/twin.py", "measure_twin", Skip("study.enqueue_trial"),
              ("tests/search/test_simplest.py::test_the_leader_s_plain_twin_is_measured_once_before_choosing",)),
     Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
-             "autotune/_search/search.py", "search", Skip("walk_ladder"),
+             "autotune/_search/search.py", "_run_trials", Skip("walk_ladder"),
              ("tests/search/test_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
     Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
              "autotune/_search/choose.py", "choose", Assign("edge", "False"),
@@ -426,12 +426,22 @@ MUTATIONS = (
              "callbacks/elastic.py", "ElasticBatchSize._resolve_budget",
              Returns("torch.cuda.mem_get_info", "(None, probe.total_bytes)"),
              (ELASTIC + "test_without_a_budget_a_cuda_cap_set_before_fit_is_the_limit",)),
+    Mutation("trial-capped-at-the-search-s-bytes", "a trial caps its memory at the bytes the search resolved and "
+             "judges it against, not at a resolution of its own", "callbacks/elastic.py",
+             "ElasticBatchSize._resolve_budget", Calls("resolve_budget", "resolve_budget(self.budget, device)"),
+             ("tests/device/test_budget.py::test_a_trial_is_capped_at_the_bytes_the_search_resolved_not_at_a_reading_of_its_"
+              "own",)),
+    Mutation("over-device-budget-refused", "the estimate, the search and the callback refuse a budget over the "
+             "device's memory, in one sentence", "autotune/_device/budget.py", "resolve_budget",
+             FalseTest("budget_bytes"),
+             ("tests/device/test_budget.py::test_the_estimate_the_search_and_the_callback_refuse_a_budget_over_the_device_in_"
+              "one_sentence",)),
     Mutation("cuda-meter-reads-nested-stats", "the CUDA meter does not flatten the allocator's statistics each step",
              "autotune/_device/meter.py", "MemoryMeter.peak",
              Returns("cuda_stat", "torch.cuda.max_memory_reserved(self.device)"),
              ("tests/device/test_probe.py::test_the_cuda_meter_reads_the_figures_torch_s_own_helpers_read",)),
     Mutation("auto-out-of-memory-halved", "an 'auto' micro-batch that runs out of memory is tried again at half, "
-             "also when a resumed search finds its OOM cached", "autotune/_search/search.py", "_Objective._run",
+             "also when a resumed search finds its OOM cached", "autotune/_search/objective.py", "Objective._run",
              Skip("self._auto_ran_out"),
              ("tests/search/test_auto.py::"
               "test_an_auto_micro_batch_that_runs_out_of_memory_is_halved_and_tried_again",
@@ -471,7 +481,7 @@ MUTATIONS = (
              ("tests/search/test_context.py::"
               "test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_not_measured",)),
     Mutation("search-learns-cuda-context", "a CUDA search's trials give the estimator the context they measured",
-             "autotune/_search/search.py", "_Objective._run", Skip("self.estimator.measured_context"),
+             "autotune/_search/objective.py", "Objective._run", Skip("self.estimator.measured_context"),
              ("tests/search/test_context.py::"
               "test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_study",)),
     Mutation("update-prepared-once-per-attempt", "L-BFGS: the host copy is taken before the first closure evaluation",

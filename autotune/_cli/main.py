@@ -155,7 +155,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.target is None and args.config is None:
         raise ValueError("give a TARGET (path/to/file.py:factory, package.module:factory, or a LightningCLI config) "
                          "or --config")
-    from autotune._estimate.estimate import budget_in_bytes, default_plans, estimate_device, estimate_target
+    from autotune._device.budget import resolve_budget
+    from autotune._estimate.estimate import default_plans, estimate_device, estimate_target
     from autotune._plan.plan import load_plan
     from autotune._target.target import load_target
 
@@ -164,11 +165,11 @@ def _run_estimate(args: argparse.Namespace) -> int:
         plans += default_plans(precisions=args.precision or None, world_size=world or 1,
                                optimizer_states=args.optimizer_state or ("full",))
     resolved, what_if = estimate_device(device)
-    budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=memory)
+    resolved_budget = resolve_budget(budget, resolved, what_if=what_if, device_memory=memory)  # text -> bytes, once
     target = load_target(args.target, config=args.config)
     if most is not None:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
-                             usable=budget_bytes, most=most, seq_len=seq_len)
+                             usable=resolved_budget.budget_bytes, most=most, seq_len=seq_len)
     baseline, measured = 0, False
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.memory import SearchEstimator
@@ -182,7 +183,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         from autotune._estimate.local_speed import local_device_speed
 
         device_speed = local_device_speed(resolved)
-    rows = estimate_target(target=target, plans=plans, budget=budget_bytes, device=device,
+    rows = estimate_target(target=target, plans=plans, budget=resolved_budget, device=device,
                            micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len,
                            trace=args.trace, device_speed=device_speed)
     if measured:  # on CPU, a row within the estimate's error of the budget is settled by a short run of it

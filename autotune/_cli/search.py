@@ -40,7 +40,7 @@ def build_search(parser: argparse.ArgumentParser) -> None:
 def run_search(args: argparse.Namespace) -> int:
     from autotune._device.budget import Budget
 
-    Budget.parse(args.budget)  # a bad budget fails before torch, Lightning and Optuna are imported
+    budget = Budget.parse(args.budget)  # a bad budget fails before torch, Lightning and Optuna are imported
     from autotune._search.search import NoFeasiblePlanError, search
 
     progress = None if args.no_progress else _Progress(args.trials)
@@ -48,7 +48,7 @@ def run_search(args: argparse.Namespace) -> int:
         else f"autotune search {args.target} --budget {args.budget}"
     try:
         result = search(
-            target=args.target, budget=args.budget, config=args.config, space=args.space, trials=args.trials,
+            target=args.target, budget=budget, config=args.config, space=args.space, trials=args.trials,
             timeout=args.timeout, storage=args.storage, study=args.study, out=args.out, seed=args.seed,
             steps=args.steps, warmup=args.warmup, interval=args.interval, device=args.device,
             devices=args.devices, callbacks=[progress] if progress else [], command=command,

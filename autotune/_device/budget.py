@@ -1,16 +1,27 @@
-"""The memory budget a run may use: bytes, a fraction of the device's total memory, or ``'auto'``."""
+"""The memory budget a run may use: bytes, a fraction of the device's total memory, or ``'auto'``; and its one
+resolution into bytes for a device (:func:`resolve_budget`), which the search, the estimate and the callback share."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import ClassVar, Literal, Union
+from typing import TYPE_CHECKING, ClassVar, Literal, Union
 
-__all__ = ["Budget", "BudgetKind", "BudgetSpec", "format_bytes"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CUDA_CONTEXT_BYTES", "Budget", "BudgetKind", "BudgetSpec", "ResolvedBudget", "format_bytes",
+           "resolve_budget"]
 
 BudgetKind = Literal["bytes", "fraction", "auto"]
 BudgetSpec = Union[str, int, float, "Budget"]
+
+#: Device memory a CUDA process holds outside the caching allocator: the context, with CUDA 12's lazy module
+#: loading, for torch's kernels and cuBLAS/cuDNN handles. It varies with the driver, the GPU and the libraries
+#: loaded (300-600 MiB is usual on A100/H100); ``probe_memory`` shows a process's real figure on a GPU. A device
+#: whose memory is given (not read) has this much less free for a budget.
+CUDA_CONTEXT_BYTES = 512 * 2**20
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -224,6 +235,105 @@ class Budget:
 
     def __str__(self) -> str:
         return self.text
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedBudget:
+    """A budget in bytes for one device, resolved once by :func:`resolve_budget`, with the spec it came from.
+
+    It is what crosses layers and processes: a search's trials cap their memory at ``budget_bytes``, the bytes the
+    search judges them against, and show ``text`` in messages and tuned files.
+
+    Attributes:
+        budget: The budget as given; None for "the device's usable memory" (a what-if estimate without ``--budget``).
+        budget_bytes: The budget in bytes.
+        total_bytes: The device memory it was resolved against; None where that is not known (bytes for a what-if
+            device whose memory was not given).
+        device_name: The device's name where it was read (the GPU or CPU model); None where it was not.
+
+    Example:
+        >>> resolved = resolve_budget("1GiB", "cpu")
+        >>> resolved.budget_bytes, resolved.text
+        (1073741824, '1GiB')
+    """
+
+    budget: Budget | None
+    budget_bytes: int
+    total_bytes: int | None = None
+    device_name: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The budget's canonical spelling (``"auto"``, ``"0.8"``, ``"20GiB"``), None without one."""
+        return None if self.budget is None else self.budget.text
+
+    def __str__(self) -> str:
+        return self.text if self.text is not None else format_bytes(self.budget_bytes)
+
+
+def resolve_budget(budget: BudgetSpec | ResolvedBudget | None, device: torch.device | str, *, what_if: bool = False,
+                   device_memory: int | None = None) -> ResolvedBudget:
+    """Turn a budget into bytes for ``device``: the one place a budget's text becomes bytes.
+
+    Shares of memory (``0.8``, ``"auto"``) are resolved against ``device_memory`` where it is given (a CUDA device
+    then has :data:`CUDA_CONTEXT_BYTES` less free), else against a reading of the device (:func:`probe_memory`); a
+    what-if device (not on this machine) has no reading. A budget above the device's memory is refused.
+
+    Args:
+        budget: A spec :meth:`Budget.parse` takes, a :class:`Budget`, a :class:`ResolvedBudget` (returned as it is:
+            resolved once, never again) or None: all of ``device_memory`` less the CUDA context.
+        device: The device the budget is for (``torch.device`` or its text).
+        what_if: Whether ``device`` is not on this machine (nothing to read).
+        device_memory: The device's memory in bytes, in place of a reading.
+
+    Returns:
+        The budget in bytes with the spec it came from.
+
+    Raises:
+        ValueError: for a bad spec; a budget over the device's memory; a share of a what-if device's memory without
+            ``device_memory``; no budget without ``device_memory`` (or with no more than the CUDA context).
+
+    Example:
+        >>> resolve_budget(0.5, "cuda", what_if=True, device_memory=8 * 2**30).budget_bytes == 4 * 2**30
+        True
+    """
+    if isinstance(budget, ResolvedBudget):
+        return budget
+    import torch
+
+    device = torch.device(device)
+    parsed = None if budget is None else Budget.parse(budget)
+    context = CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
+    name = None
+    if device_memory is not None:
+        total, free = device_memory, max(device_memory - context, 0)
+    elif what_if:
+        total = free = None
+    else:
+        from autotune._device.probe import probe_memory
+
+        probe = probe_memory(device)
+        total, free, name = probe.total_bytes, probe.free_bytes, probe.name
+    if parsed is None:
+        if device_memory is None or device_memory <= context:
+            raise ValueError(f"the device's memory must exceed the CUDA context ({context} bytes); got "
+                             f"{device_memory!r}")
+        return ResolvedBudget(budget=None, budget_bytes=device_memory - context, total_bytes=total)
+    if total is None or free is None:
+        if parsed.kind != "bytes":
+            raise ValueError(f"budget {parsed.text!r} is a share of the device's memory, and {device} is not on this "
+                             "machine: give the budget in bytes (80GiB) or the device's memory (--device-memory)")
+        return ResolvedBudget(budget=parsed, budget_bytes=int(parsed.value))  # type: ignore[arg-type]
+    budget_bytes = parsed.resolve(total_bytes=total, free_bytes=free)
+    if budget_bytes > total:
+        raise ValueError(_over_device(parsed, budget_bytes, device=device, total_bytes=total))
+    return ResolvedBudget(budget=parsed, budget_bytes=budget_bytes, total_bytes=total, device_name=name)
+
+
+def _over_device(budget: Budget, budget_bytes: int, *, device: object, total_bytes: int) -> str:
+    """The one sentence refusing a budget above the device's memory, whoever resolves it."""
+    return (f"budget {budget.text} ({format_bytes(budget_bytes)}) is more than {device}'s memory "
+            f"({format_bytes(total_bytes)}); give at most that, a share (0.8) or auto")
 
 
 def _is_int(value: object) -> bool:

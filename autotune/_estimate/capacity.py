@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autotune._device.budget import resolve_budget
 from autotune._device.probe import DeviceSpec
-from autotune._estimate.estimate import budget_in_bytes
 from autotune._estimate.result import Estimate, estimate_device
 from autotune._estimate.trace import Traces
 from autotune._plan.plan import Plan
@@ -100,8 +100,8 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive int of bytes; got {value!r}")
     resolved, what_if = estimate_device(device)
-    usable_bytes = budget_bytes if budget_bytes is not None else budget_in_bytes(
-        None, resolved, what_if=what_if, device_memory=device_memory_bytes)
+    usable_bytes = budget_bytes if budget_bytes is not None else resolve_budget(
+        None, resolved, what_if=what_if, device_memory=device_memory_bytes).budget_bytes
     order = list(precisions or DEFAULT_PRECISIONS)
     sizes = world_sizes(max_world_size)
     shapes = [(p, c, sharded) for p in order for c in (0.0, 1.0) for sharded in (False, True)]

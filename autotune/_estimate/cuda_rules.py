@@ -34,14 +34,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from autotune._compat.torch import cuda_autocast_ops
+from autotune._device.budget import CUDA_CONTEXT_BYTES  # defined with the budget, which takes it off a device's memory
 
 __all__ = ["CUDA_CONTEXT_BYTES", "CudaAutocast", "cublas_workspace_bytes", "round_cuda"]
 
 CUDA_BLOCK = 512
-#: Device memory a CUDA process holds outside the caching allocator: the context, with CUDA 12's lazy module
-#: loading, for torch's kernels and cuBLAS/cuDNN handles. It varies with the driver, the GPU and the libraries
-#: loaded (300-600 MiB is usual on A100/H100); ``probe_memory`` shows a process's real figure on a GPU.
-CUDA_CONTEXT_BYTES = 512 * 2**20
 #: cuBLAS's workspace per handle and stream (torch's CublasHandlePool defaults); a training step uses two handles.
 _CUBLAS_WORKSPACE_SM90 = 32 * 2**20
 _CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * 2**10 + 8 * 16 * 2**10

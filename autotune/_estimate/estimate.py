@@ -10,11 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from autotune._device.budget import Budget, BudgetSpec, format_bytes
-from autotune._device.probe import DeviceSpec, probe_memory
-from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
+from autotune._device.budget import BudgetSpec, ResolvedBudget, resolve_budget
+from autotune._device.probe import DeviceSpec
 from autotune._estimate.fake_step import OptimizerFactory
 from autotune._estimate.result import Estimate, estimate_device
 from autotune._estimate.trace import Traces
@@ -28,7 +25,7 @@ if TYPE_CHECKING:
 
     from autotune._target.target import Target
 
-__all__ = ["BatchSizes", "Estimate", "TargetEstimate", "budget_in_bytes", "default_plans", "estimate", "estimate_device",
+__all__ = ["BatchSizes", "Estimate", "TargetEstimate", "default_plans", "estimate", "estimate_device",
            "estimate_target", "first_batch", "longest_batch", "max_micro_batch_size"]
 
 
@@ -170,14 +167,15 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 
 
 def estimate_target(
-    *, target: Target, plans: Sequence[Plan], budget: BudgetSpec, device: DeviceSpec = None,
+    *, target: Target, plans: Sequence[Plan], budget: BudgetSpec | ResolvedBudget, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
     baseline_bytes: int = 0, seq_len: int | None = None, trace: str = "auto",
     device_speed: DeviceSpeed | None = None,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
 
-    ``budget`` is a spec (``"20GiB"``, ``0.8``, ``"auto"``) resolved against ``device``'s memory; every row uses
+    ``budget`` is a spec (``"20GiB"``, ``0.8``, ``"auto"``) resolved against ``device``'s memory
+    (:func:`~autotune._device.budget.resolve_budget`; a budget it resolved already is used as it is); every row uses
     ``micro_batch_size`` (None: the plan's own, else the whole batch), and is one rank's of ``world_size`` (see
     :func:`estimate`). ``device_memory_bytes`` is the device's memory for shares of it (``0.8``) in place of a
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
@@ -192,7 +190,7 @@ def estimate_target(
             data gives no batch.
     """
     resolved, what_if = estimate_device(device)
-    budget_bytes = budget_in_bytes(Budget.parse(budget), resolved, what_if=what_if, device_memory=device_memory_bytes)
+    budget_bytes = resolve_budget(budget, resolved, what_if=what_if, device_memory=device_memory_bytes).budget_bytes
     batch = first_batch(target, seq_len=seq_len)
     count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     rows = []
@@ -213,31 +211,6 @@ def estimate_target(
                                    max_micro_batch_size=largest, parameter_count=count, baseline_bytes=baseline_bytes,
                                    speed=speed))
     return rows
-
-
-def budget_in_bytes(budget: Budget | None, device: torch.device, *, what_if: bool, device_memory: int | None) -> int:
-    """A budget in bytes for ``device``: shares of its memory resolved against ``device_memory`` (less the CUDA
-    context on CUDA) or a reading of the device; None: all of ``device_memory`` less the context. ValueError where
-    neither a reading nor ``device_memory`` can be had (a what-if device)."""
-    context = CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
-    if budget is None:
-        if device_memory is None or device_memory <= context:
-            raise ValueError(f"the device's memory must exceed the CUDA context ({context} bytes); got "
-                             f"{device_memory!r}")
-        return device_memory - context
-    if budget.kind == "bytes":  # at most the device's memory: the one given, else this machine's device's
-        limit = device_memory if device_memory is not None or what_if else probe_memory(device).total_bytes
-        if limit is not None and int(budget.value) > limit:  # type: ignore[arg-type]
-            raise ValueError(f"budget {budget.text} is more than the device's memory ({format_bytes(limit)}); "
-                             "give at most that, or a share (0.8)")
-        return int(budget.value)  # type: ignore[arg-type]
-    if device_memory is not None:  # a CUDA context takes its share before anything is allocated
-        return budget.resolve(total_bytes=device_memory, free_bytes=max(device_memory - context, 0))
-    if what_if:
-        raise ValueError(f"budget {budget.text!r} is a share of the device's memory, and {device} is not on this "
-                         "machine: give the budget in bytes (80GiB) or the device's memory (--device-memory)")
-    probe = probe_memory(device)
-    return budget.resolve(total_bytes=probe.total_bytes, free_bytes=probe.free_bytes)
 
 
 def first_batch(target: Target, *, seq_len: int | None = None) -> Any:

@@ -263,3 +263,10 @@ def plan_from_params(params: dict[str, Any], *, micro_batch_size: int | None = N
     if values.get("micro_batch_size") == AUTO:
         values["micro_batch_size"] = micro_batch_size
     return Plan.from_dict(values, provenance=fields.get("provenance"))
+
+
+def plan_for(params: dict[str, Any], micro: int | None, devices: int) -> Plan:
+    """The plan a search runs for one point of its space: ``micro`` replaces an ``auto`` micro-batch, and a sharded
+    plan carries the search's ``devices`` (its strategy and per-rank memory depend on it)."""
+    return plan_from_params(params, micro_batch_size=micro, **({"devices": devices} if params.get("strategy") == "fsdp"
+                                                               else {}))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune._plan.space import AUTO, plan_from_params
-from autotune._search.memory import SearchEstimator, even_micro_batches, sharded_devices
+from autotune._plan.space import AUTO, plan_for
+from autotune._search.memory import SearchEstimator, even_micro_batches
 
 __all__ = ["AutoMicro", "shape_key"]
 
@@ -43,7 +43,7 @@ class AutoMicro:
     def __call__(self, params: dict[str, Any]) -> int:
         """The largest micro-batch predicted to fit, evened out (the same number of micro-batches, of equal sizes: 8
         rather than 9 for a batch of 32, which both split in 4 passes, with less memory)."""
-        plan = plan_from_params(params, micro_batch_size=None, **sharded_devices(params, self.devices))
+        plan = plan_for(params, None, self.devices)
         self.estimator.baseline_for(plan)  # takes in the shape's measurements kept until now
         # and by the calibrations: a measurement moves the baselines, and the choice with them
         shape = shape_key(params)

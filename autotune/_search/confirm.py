@@ -109,8 +109,7 @@ def unmeasured_candidates(space: SearchSpace, speed: SearchSpeed, *, done: set[s
                           budget_bytes: int, tensor_room: int) -> list[tuple[dict[str, Any], Plan]]:
     """The fastest predicted point of ``space`` that fits and whose projection is not in ``done`` (none when every
     point that fits is), with its plan (``auto`` resolved)."""
-    from autotune._plan.space import AUTO, plan_from_params
-    from autotune._search.memory import sharded_devices
+    from autotune._plan.space import AUTO, plan_for
     from autotune._search.speed import ranked_candidates
 
     found = ranked_candidates(space, limit=len(done) + 1, batch_size=batch_size, devices=devices,
@@ -119,7 +118,7 @@ def unmeasured_candidates(space: SearchSpace, speed: SearchSpeed, *, done: set[s
     for params in found:
         if project(params) not in done:
             micro = resolve_micro(params) if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
-            return [(params, plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices)))]
+            return [(params, plan_for(params, micro, devices))]
     return []
 
 
@@ -158,12 +157,10 @@ def chosen_prediction(trial: Any, speed: SearchSpeed, plan: Plan) -> dict[str, A
 
 def learn_speed(study: Any, speed: SearchSpeed, devices: int) -> None:
     """A resumed study's measured trials calibrate the model, as they did when they ran."""
-    from autotune._plan.space import plan_from_params
-    from autotune._search.memory import sharded_devices
+    from autotune._plan.space import plan_for
 
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         if attrs.get("source") == "measured" and attrs.get("status") == "ok" and attrs.get("samples_per_second"):
-            plan = plan_from_params(t.params, micro_batch_size=attrs.get("micro_batch_size"),
-                                    **sharded_devices(t.params, devices))
+            plan = plan_for(t.params, attrs.get("micro_batch_size"), devices)
             speed.observe(plan, attrs["samples_per_second"])

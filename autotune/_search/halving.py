@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autotune._plan.plan import Plan
-from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
+from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_for
 from autotune._search.choose import over_budget_by
 from autotune._search.cost import simplicity
 
@@ -107,16 +107,13 @@ def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: 
               devices: int = 1) -> tuple[dict[str, Any], int] | None:
     """The params and micro-batch of the first rung of halving's ladder not measured yet; None once the ladder is
     answered. ``devices``: the ranks of each trial (a sharded plan carries them)."""
-    from autotune._search.memory import sharded_devices
-
     point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
-    fields = sharded_devices(point, devices)
     for micro in ladder(batch_size):
         rung = rung_params(space, point, micro)
         if rung is None or rung[1] in seen:
             continue
         seen.add(rung[1])
-        answer = answers.get(plan_from_params(rung[0], micro_batch_size=rung[1], **fields).key())
+        answer = answers.get(plan_for(rung[0], rung[1], devices).key())
         if answer is None:
             return rung
         if answer != "over":

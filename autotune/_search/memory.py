@@ -288,8 +288,3 @@ def shape_of(plan: Plan) -> Plan:
     """``plan`` without what leaves the step's tensors as they are: its micro-batch (traced apart), the dataloader's
     and the allocator's settings."""
     return plan.replace(micro_batch_size=None, num_workers=None, pin_memory=None, expandable_segments=False)
-
-
-def sharded_devices(params: dict[str, Any], devices: int) -> dict[str, Any]:
-    """A sharded plan carries the search's device count (its strategy and per-rank memory depend on it)."""
-    return {"devices": devices} if params.get("strategy") == "fsdp" else {}

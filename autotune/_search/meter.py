@@ -5,6 +5,8 @@ Step times are end to end (data loading included), one per optimizer step. The i
 the mean step time, turned into samples/s: it says how well *this run* knows its throughput. Runs of the same plan in
 other processes scatter more than that (CPU frequency, neighbours, page cache); the search measures its contenders
 again for that reason (``autotune/_search/choose.py``).
+
+The meter is a Lightning callback, so this module imports Lightning: only the trial process (and tests) import it.
 """
 
 from __future__ import annotations
@@ -15,81 +17,14 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback
 
-@dataclass(frozen=True)
-class TrialSpec:
-    """What a trial process needs (picklable): where the model comes from, the plan, and how long to measure."""
+from autotune._search.records import TrialResult, TrialSpec
 
-    target: str
-    config: str | None
-    plan: dict[str, Any]  # the plan's dict form (Plan.to_dict)
-    budget: str | None
-    device: str  # "cpu" or "cuda"
-    devices: int = 1
-    steps: int = 20  # timed steps at most
-    warmup: int = 2  # warm-up steps at least (more while the step time is not stable)
-    interval: float = 0.03  # stop timing once the 95% interval is within +- this share of the throughput
-    stop_below: float | None = None  # samples/s: stop early when the interval's top is below this
-    # A file holding the batch of the largest samples the search read (``torch.save``), where batches vary in shape:
-    # the trial runs it in place of a warm-up step's batch, so its peak covers the longest batch while its timed
-    # steps keep the data as it comes (mostly short batches). None: the data as it comes.
-    long_batch: str | None = None
-
-    def memory_plan(self) -> Any:
-        """The :class:`~autotune.Plan` of this trial, read back from its dict form."""
-        from autotune._plan.plan import Plan
-
-        return Plan.from_dict(self.plan)
-
-
-@dataclass(frozen=True)
-class TrialResult:
-    """What a trial measured (:func:`autotune.measure_plan`, each trial of :func:`autotune.search`).
-
-    ``status`` is "ok", "oom" (infeasible), "pruned" (stopped early: its interval clearly below the best plans so
-    far) or "error"
-    (``reason`` says why). Peaks are the largest step's peak memory in the budget's measure, as ``ElasticBatchSize``
-    measures a step (CUDA: allocator reserved bytes, plus the CUDA context; CPU: the process's peak resident set net of
-    file-backed pages), the worst rank's under DDP. On CUDA ``allocated_peak_bytes`` is the largest step's peak of
-    bytes allocated to tensors (what the estimator's tensors predict) and ``context_bytes`` the context counted in
-    the peak (None where NVML does not list the process), that rank's under DDP: the rest of the peak is the
-    allocator's reserve beyond its tensors; ``allocated_step_peaks`` each step's, in order (rank 0's), which says
-    whether a peak comes from one step (the first's, say) or grows from step to step. ``interval`` is the 95%
-    interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes``
-    how much the timed steps' peaks varied (a search ranks a plan whose peak is within it of the budget by the
-    samples/s a run of it can be expected to give); ``warmup_steps`` how many steps ran before timing started (more
-    than asked while the step time was settling).
-
-    Example:
-        >>> TrialResult("oom", reason="CUDA out of memory").status
-        'oom'
-    """
-
-    status: str
-    samples_per_second: float | None = None
-    interval: tuple[float, float] | None = None  # the 95% interval of samples_per_second over this run's steps
-    tokens_per_second: float | None = None
-    peak_bytes: int | None = None
-    peak_noise_bytes: int | None = None  # how much its timed steps' peaks varied (largest - smallest)
-    allocated_peak_bytes: int | None = None  # CUDA: the largest step's peak of tensor bytes
-    context_bytes: int | None = None  # CUDA: the context in peak_bytes
-    allocated_step_peaks: list[int] | None = None  # CUDA: each step's peak of tensor bytes, in order (rank 0's)
-    steps_timed: int = 0
-    warmup_steps: int = 0
-    flops_per_sample: float | None = None
-    mfu: float | None = None
-    startup_seconds: float | None = None
-    wall_seconds: float | None = None
-    reason: str = ""
-    trainer_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def as_attrs(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
+__all__ = ["Meter", "extra_warmup", "peak_flops_per_second", "relative_half_width", "throughput", "warmed_up"]
 
 #: Timed steps a trial takes at least before its interval may stop it, for speed or for precision (below 5, a lucky
 #: run of similar steps gives a narrow interval that misses: optional stopping). A trial is stopped as too slow only
@@ -157,174 +92,168 @@ def warmed_up(durations: Sequence[float], *, minimum: int, extra: int = EXTRA_WA
 _GO_ON, _TIMING_STARTS, _ENOUGH, _TOO_SLOW = range(4)
 
 
-def make_meter(**kwargs: Any) -> Any:
-    """The trial's :class:`~lightning.pytorch.Callback` (built here so that Lightning is imported in the trial only)."""
-    from lightning.pytorch import Callback
+class Meter(Callback):
+    """Times optimizer steps (warm-up until stable, then until the interval is narrow enough or the cap), counts
+    FLOPs of one step, and writes the trial's result at the end of training."""
 
-    class Meter(Callback):
-        """Times optimizer steps (warm-up until stable, then until the interval is narrow enough or the cap), counts
-        FLOPs of one step, and writes the trial's result at the end of training."""
+    def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None, launched: float,
+                 out: str, trainer_settings: dict[str, Any] | None = None) -> None:
+        self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
+        self.trainer_settings = trainer_settings or {}
+        self.out, self.launched = out, launched
+        self.first_step: float | None = None
+        self.step_start: float | None = None
+        self.warmup_durations: list[float] = []
+        self.marks: list[float] = []  # step ends from the end of warm-up on
+        self.pruned = False
+        # FLOPs of one micro-batch's forward and backward, counted in the first step (untimed and never judged
+        # for warm-up: the counter's dispatch costs do not lengthen warm-up); with compile in the minimum
+        # warm-up's last step, once the compiler has traced the step (not under a dispatch mode)
+        self.flops: float | None = None
+        self.count_at = spec.warmup - 1 if spec.plan.get("compile") else 0
+        self.counted_samples = min(spec.plan.get("micro_batch_size") or batch_size, batch_size)
+        # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
+        self.step_peak = 0
+        self.step_peaks: list[int] = []  # each step's (the meter is reset at each step's start)
+        self.timed_from: int | None = None
+        self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
+        self.allocated_peak: int | None = None  # CUDA: the largest step's tensor peak
+        self.allocated_steps: list[int] = []  # CUDA: each step's tensor peak
+        self.context: int | None = None
 
-        def __init__(self, *, spec: TrialSpec, batch_size: int, tokens_per_sample: int | None, launched: float,
-                     out: str, trainer_settings: dict[str, Any] | None = None) -> None:
-            self.spec, self.batch_size, self.tokens = spec, batch_size, tokens_per_sample
-            self.trainer_settings = trainer_settings or {}
-            self.out, self.launched = out, launched
-            self.first_step: float | None = None
-            self.step_start: float | None = None
-            self.warmup_durations: list[float] = []
-            self.marks: list[float] = []  # step ends from the end of warm-up on
-            self.pruned = False
-            # FLOPs of one micro-batch's forward and backward, counted in the first step (untimed and never judged
-            # for warm-up: the counter's dispatch costs do not lengthen warm-up); with compile in the minimum
-            # warm-up's last step, once the compiler has traced the step (not under a dispatch mode)
-            self.flops: float | None = None
-            self.count_at = spec.warmup - 1 if spec.plan.get("compile") else 0
-            self.counted_samples = min(spec.plan.get("micro_batch_size") or batch_size, batch_size)
-            # ElasticBatchSize resets the peak at each step's start (as a run measures its budget): the largest step's
-            self.step_peak = 0
-            self.step_peaks: list[int] = []  # each step's (the meter is reset at each step's start)
-            self.timed_from: int | None = None
-            self.memory: Any = None  # the budget's MemoryMeter, read only (ElasticBatchSize resets it)
-            self.allocated_peak: int | None = None  # CUDA: the largest step's tensor peak
-            self.allocated_steps: list[int] = []  # CUDA: each step's tensor peak
-            self.context: int | None = None
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.first_step is None:
+            self.first_step, self.step_start = time.time(), time.perf_counter()
+        if trainer.global_step == self.count_at and self.flops is None:
+            from torch.utils.flop_counter import FlopCounterMode
 
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if self.first_step is None:
-                self.first_step, self.step_start = time.time(), time.perf_counter()
-            if trainer.global_step == self.count_at and self.flops is None:
-                from torch.utils.flop_counter import FlopCounterMode
+            self.counter = FlopCounterMode(display=False)
+            self.counter.__enter__()
 
-                self.counter = FlopCounterMode(display=False)
-                self.counter.__enter__()
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._count_done()  # the first micro-batch's: FLOPs grow with the samples, the counter's costs per call
 
-        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-            self._count_done()  # the first micro-batch's: FLOPs grow with the samples, the counter's costs per call
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
 
-        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            self._count_done()  # forward and backward only: a compiled update (torchao's) refuses dispatch modes
+    def _count_done(self) -> None:
+        counter = getattr(self, "counter", None)
+        if counter is not None and self.flops is None:
+            counter.__exit__(None, None, None)
+            self.flops = float(counter.get_total_flops())
 
-        def _count_done(self) -> None:
-            counter = getattr(self, "counter", None)
-            if counter is not None and self.flops is None:
-                counter.__exit__(None, None, None)
-                self.flops = float(counter.get_total_flops())
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._count_done()
+        _sync(pl_module.device)
+        now = time.perf_counter()
+        self.step_peaks.append(self._peak(pl_module))
+        self.step_peak = max(self.step_peak, self.step_peaks[-1])
+        if pl_module.device.type == "cuda":
+            self.allocated_steps.append(self.memory.peak_allocated())
+            self.allocated_peak = max(self.allocated_peak or 0, self.allocated_steps[-1])
+        if self.marks:
+            self.marks.append(now)
+        else:
+            self.warmup_durations.append(now - (now if self.step_start is None else self.step_start))
+            self.step_start = now
+        decision = trainer.strategy.broadcast(self._decide(), src=0)  # rank 0's timing decides for all
+        if decision == _TIMING_STARTS and not self.marks:
+            self.marks = [now]
+            self.timed_from = len(self.step_peaks)  # the peaks of the timed steps are the steady ones
+        elif decision in (_ENOUGH, _TOO_SLOW):
+            self.pruned = decision == _TOO_SLOW
+            trainer.should_stop = True
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self._count_done()
-            _sync(pl_module.device)
-            now = time.perf_counter()
-            self.step_peaks.append(self._peak(pl_module))
-            self.step_peak = max(self.step_peak, self.step_peaks[-1])
-            if pl_module.device.type == "cuda":
-                self.allocated_steps.append(self.memory.peak_allocated())
-                self.allocated_peak = max(self.allocated_peak or 0, self.allocated_steps[-1])
-            if self.marks:
-                self.marks.append(now)
-            else:
-                self.warmup_durations.append(now - (now if self.step_start is None else self.step_start))
-                self.step_start = now
-            decision = trainer.strategy.broadcast(self._decide(), src=0)  # rank 0's timing decides for all
-            if decision == _TIMING_STARTS and not self.marks:
-                self.marks = [now]
-                self.timed_from = len(self.step_peaks)  # the peaks of the timed steps are the steady ones
-            elif decision in (_ENOUGH, _TOO_SLOW):
-                self.pruned = decision == _TOO_SLOW
-                trainer.should_stop = True
+    def _decide(self) -> int:
+        if not self.marks:
+            stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
+            return _TIMING_STARTS if stable else _GO_ON
+        durations = self.durations()
+        if len(durations) >= self.spec.steps:
+            return _ENOUGH
+        if len(durations) < MIN_TIMED:
+            return _GO_ON
+        if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
+            return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
+        return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
 
-        def _decide(self) -> int:
-            if not self.marks:
-                stable = warmed_up(self.warmup_durations, minimum=self.spec.warmup, extra=extra_warmup(self.spec.steps))
-                return _TIMING_STARTS if stable else _GO_ON
-            durations = self.durations()
-            if len(durations) >= self.spec.steps:
-                return _ENOUGH
-            if len(durations) < MIN_TIMED:
-                return _GO_ON
-            if self.spec.stop_below and self.interval()[1] < self.spec.stop_below:
-                return _TOO_SLOW  # even the top of this run's interval is clearly below the contenders
-            return _ENOUGH if relative_half_width(durations) <= self.spec.interval else _GO_ON
+    def _peak(self, pl_module: Any) -> int:
+        if self.memory is None:
+            from autotune._device.meter import MemoryMeter
 
-        def _peak(self, pl_module: Any) -> int:
-            if self.memory is None:
-                from autotune._device.meter import MemoryMeter
+            self.memory = MemoryMeter(pl_module.device)
+        return self.memory.peak()
 
-                self.memory = MemoryMeter(pl_module.device)
-            return self.memory.peak()
+    def durations(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
-        def durations(self) -> list[float]:
-            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+    def samples_per_step(self) -> int:
+        return self.batch_size * max(1, self.spec.devices)
 
-        def samples_per_step(self) -> int:
-            return self.batch_size * max(1, self.spec.devices)
+    def rate(self) -> float:
+        return throughput(self.durations(), self.samples_per_step())[0]
 
-        def rate(self) -> float:
-            return throughput(self.durations(), self.samples_per_step())[0]
+    def interval(self) -> tuple[float, float]:
+        _, low, high = throughput(self.durations(), self.samples_per_step())
+        return low, high
 
-        def interval(self) -> tuple[float, float]:
-            _, low, high = throughput(self.durations(), self.samples_per_step())
-            return low, high
+    def peak_noise(self) -> int | None:
+        """How much the timed (steady) steps' peaks varied, largest less smallest; None with fewer than two. The
+        warm-up's steps are left out: their growth (optimizer state, allocator, workers) is a trend, not noise,
+        and the largest of them is in the peak anyway."""
+        steady = self.step_peaks[self.timed_from:] if self.timed_from is not None else []
+        return max(steady) - min(steady) if len(steady) > 1 else None
 
-        def peak_noise(self) -> int | None:
-            """How much the timed (steady) steps' peaks varied, largest less smallest; None with fewer than two. The
-            warm-up's steps are left out: their growth (optimizer state, allocator, workers) is a trend, not noise,
-            and the largest of them is in the peak anyway."""
-            steady = self.step_peaks[self.timed_from:] if self.timed_from is not None else []
-            return max(steady) - min(steady) if len(steady) > 1 else None
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        cuda = pl_module.device.type == "cuda"
+        context = _context_bytes(pl_module.device)  # CUDA: None where NVML does not list the process
+        self.peak = max(self.step_peak, self._peak(pl_module)) + (context or 0)
+        if cuda:
+            self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
+            self.context = context
+        if trainer.world_size > 1:  # the worst rank's peak (the budget is per device), with that rank's parts
+            import torch
 
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            cuda = pl_module.device.type == "cuda"
-            context = _context_bytes(pl_module.device)  # CUDA: None where NVML does not list the process
-            self.peak = max(self.step_peak, self._peak(pl_module)) + (context or 0)
-            if cuda:
-                self.allocated_peak = max(self.allocated_peak or 0, self.memory.peak_allocated())
-                self.context = context
-            if trainer.world_size > 1:  # the worst rank's peak (the budget is per device), with that rank's parts
-                import torch
+            mine = self.peak
+            self.peak = int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.int64, device=pl_module.device),
+                                                    reduce_op="max"))
+            if cuda:  # every rank's device is CUDA or none is: all take part in this second collective or none
+                worst = mine == self.peak
+                # -1: not the worst rank's parts, or not known (NVML does not list the process)
+                parts = [x if worst and x is not None else -1 for x in (self.allocated_peak, self.context)]
+                reduced = trainer.strategy.reduce(torch.tensor(parts, dtype=torch.int64, device=pl_module.device),
+                                                  reduce_op="max")
+                self.allocated_peak, self.context = (int(x) if x >= 0 else None for x in reduced.tolist())
+        if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
+            Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
 
-                mine = self.peak
-                self.peak = int(trainer.strategy.reduce(torch.tensor(mine, dtype=torch.int64, device=pl_module.device),
-                                                        reduce_op="max"))
-                if cuda:  # every rank's device is CUDA or none is: all take part in this second collective or none
-                    worst = mine == self.peak
-                    # -1: not the worst rank's parts, or not known (NVML does not list the process)
-                    parts = [x if worst and x is not None else -1 for x in (self.allocated_peak, self.context)]
-                    reduced = trainer.strategy.reduce(torch.tensor(parts, dtype=torch.int64, device=pl_module.device),
-                                                      reduce_op="max")
-                    self.allocated_peak, self.context = (int(x) if x >= 0 else None for x in reduced.tolist())
-            if trainer.global_rank == 0:  # under DDP this runs in the rank processes, not in the trial's own
-                Path(self.out).write_text(json.dumps(dataclasses.asdict(self.result())))
-
-        def result(self) -> TrialResult:
-            durations = self.durations()
-            if not durations:
-                return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
-            rate, low, high = throughput(durations, self.samples_per_step())
-            per_sample = self.flops / self.counted_samples if self.flops else None
-            peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
-            return TrialResult(
-                "pruned" if self.pruned else "ok",
-                samples_per_second=rate,
-                interval=(low, high) if math.isfinite(high) and self.marks else None,
-                tokens_per_second=rate * self.tokens if self.tokens else None,
-                peak_bytes=getattr(self, "peak", None),
-                peak_noise_bytes=self.peak_noise(),
-                allocated_peak_bytes=self.allocated_peak,
-                context_bytes=self.context,
-                allocated_step_peaks=self.allocated_steps or None,
-                flops_per_sample=per_sample,
-                mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
-                steps_timed=len(self.durations()),
-                warmup_steps=len(self.warmup_durations),
-                startup_seconds=(self.first_step or time.time()) - self.launched,
-                wall_seconds=time.time() - self.launched,
-                reason=(f"stopped early: clearly slower than the best plans so far (its 95% interval tops out at "
-                        f"{high:.1f}/s, under {self.spec.stop_below:.1f}/s)") if self.pruned else "",
-                trainer_settings=self.trainer_settings,
-            )
-
-    return Meter(**kwargs)
+    def result(self) -> TrialResult:
+        durations = self.durations()
+        if not durations:
+            return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
+        rate, low, high = throughput(durations, self.samples_per_step())
+        per_sample = self.flops / self.counted_samples if self.flops else None
+        peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
+        return TrialResult(
+            "pruned" if self.pruned else "ok",
+            samples_per_second=rate,
+            interval=(low, high) if math.isfinite(high) and self.marks else None,
+            tokens_per_second=rate * self.tokens if self.tokens else None,
+            peak_bytes=getattr(self, "peak", None),
+            peak_noise_bytes=self.peak_noise(),
+            allocated_peak_bytes=self.allocated_peak,
+            context_bytes=self.context,
+            allocated_step_peaks=self.allocated_steps or None,
+            flops_per_sample=per_sample,
+            mfu=per_sample * rate / peak_flops if per_sample and peak_flops else None,
+            steps_timed=len(self.durations()),
+            warmup_steps=len(self.warmup_durations),
+            startup_seconds=(self.first_step or time.time()) - self.launched,
+            wall_seconds=time.time() - self.launched,
+            reason=(f"stopped early: clearly slower than the best plans so far (its 95% interval tops out at "
+                    f"{high:.1f}/s, under {self.spec.stop_below:.1f}/s)") if self.pruned else "",
+            trainer_settings=self.trainer_settings,
+        )
 
 
 def peak_flops_per_second(device: str, precision: str) -> float | None:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autotune._plan.plan import Plan
-from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_from_params
-from autotune._search.memory import sharded_devices, shape_of
+from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_for
+from autotune._search.memory import shape_of
 
 if TYPE_CHECKING:
     from autotune._estimate.devices import DeviceSpeed
@@ -166,7 +166,7 @@ def ranked_candidates(space: SearchSpace, *, limit: int, batch_size: int, device
     queue = []
     for index, params in enumerate(projected):  # ``auto`` first at the whole batch (its best case), resolved if reached
         micro = batch_size if params.get("micro_batch_size") == AUTO else params.get("micro_batch_size")
-        plan = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices))
+        plan = plan_for(params, micro, devices)
         queue.append((cost(plan), index, plan, params))
     heapq.heapify(queue)  # cheapest first; ties keep the space's order
     chosen: list[dict[str, Any]] = []

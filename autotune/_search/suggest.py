@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune._device.budget import Budget, format_bytes
+from autotune._device.budget import Budget, format_bytes, resolve_budget
 from autotune._plan.plan import Plan
 from autotune._plan.provenance import Provenance
-from autotune._plan.space import AUTO, default_space_name, load_space, plan_from_params
-from autotune._search.memory import SearchEstimator, sharded_devices
+from autotune._plan.space import AUTO, default_space_name, load_space, plan_for
+from autotune._search.memory import SearchEstimator
 from autotune._search.speed import SearchSpeed, modelled_dimensions, ranked_candidates
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
     """
     import torch
 
-    from autotune._estimate.estimate import budget_in_bytes
     from autotune._estimate.result import estimate_device
     from autotune._search.auto import AutoMicro
     from autotune._target.target import load_target
@@ -77,7 +76,7 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
                                         ("cuda" if torch.cuda.is_available() or device_speed else "cpu"))
     if what_if and device_speed is None:
         raise ValueError(f"{resolved} is not on this machine: name its kind with --device-type (h100, a100, l4, ...)")
-    budget_bytes = budget_in_bytes(budget, resolved, what_if=what_if, device_memory=device_memory)
+    budget_bytes = resolve_budget(budget, resolved, what_if=what_if, device_memory=device_memory).budget_bytes
     tgt = load_target(target, config=config)
     batch_size = tgt.batch_size()
     name = space or ("multi_gpu" if devices > 1 else default_space_name(resolved))
@@ -96,7 +95,7 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
     for params in candidates:
         full = _with_first_choices(space_obj, params)
         micro = auto(full) if full.get("micro_batch_size") == AUTO else full.get("micro_batch_size")
-        plan = plan_from_params(full, micro_batch_size=micro, **sharded_devices(full, devices))
+        plan = plan_for(full, micro, devices)
         if devices > 1:
             plan = plan.replace(devices=devices)
         predicted = speed.predict(plan)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._search.meter import TrialResult, TrialSpec
+from autotune._search.records import TrialResult, TrialSpec
 
 __all__ = ["TrialResult", "TrialSpec", "check_positive_int", "check_interval", "measure_plan", "run_trial"]
 
@@ -51,7 +51,8 @@ def measure_plan(
     Args:
         target: ``path/to/file.py:factory``, ``package.module:factory`` or a LightningCLI config file.
         plan: the :class:`~autotune.Plan` to run (its micro-batch is kept fixed: no growing, no shrinking below it).
-        budget: the memory the run may use (``"4GiB"``, bytes, a fraction, ``"auto"``); None: no cap.
+        budget: the memory the run may use (``"4GiB"``, bytes, a fraction, ``"auto"``), resolved to bytes here,
+            against ``device``, before the run starts; None: no cap.
         config: a LightningCLI config giving the rest of a factory target (trainer settings).
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when there is one).
         devices: devices (DDP ranks) for the run.
@@ -73,7 +74,7 @@ def measure_plan(
     """
     import torch
 
-    from autotune._device.budget import Budget
+    from autotune._device.budget import resolve_budget
     from autotune._device.probe import resolve_device
     from autotune._plan.plan import Plan
 
@@ -85,7 +86,7 @@ def measure_plan(
     check_interval(interval)
     dev = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     spec = TrialSpec(target=str(target), config=config, plan=plan.to_dict(),
-                     budget=None if budget is None else str(Budget.parse(budget)), device=dev.type, devices=devices,
+                     budget=None if budget is None else resolve_budget(budget, dev), device=dev.type, devices=devices,
                      steps=steps, warmup=warmup, interval=interval)
     return run_trial(spec, timeout=timeout)
 
@@ -240,7 +241,7 @@ def _failure(exc: BaseException) -> tuple[bool, str]:
 
 
 def _measure(spec: TrialSpec, launched: float, out: str) -> None:
-    from autotune._search.meter import make_meter
+    from autotune._search.meter import Meter
     from autotune._target.target import load_target
 
     plan = spec.memory_plan()
@@ -253,8 +254,8 @@ def _measure(spec: TrialSpec, launched: float, out: str) -> None:
     folders = (*((str(Path(config).resolve().parent),) if config else ()), os.getcwd())
     extra, names = user_callbacks(target.trainer_config, folders=folders)
     recorded = {**settings, "callbacks": names} if names else settings
-    meter = make_meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(),
-                       launched=launched, out=out, trainer_settings=recorded)
+    meter = Meter(spec=spec, batch_size=batch_size, tokens_per_sample=target.tokens_per_sample(),
+                  launched=launched, out=out, trainer_settings=recorded)
     micro = plan.micro_batch_size or batch_size
     if plan.strategy == "fsdp":
         plan = plan.replace(devices=spec.devices)
@@ -385,6 +386,7 @@ def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], callbacks: list
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[
+            # the bytes the search resolved and judges this trial against, not a reading of this process's own
             ElasticBatchSize(budget=spec.budget, micro_batch_size=micro, min_micro_batch_size=micro, grow=False),
             ApplyPlan(**plan.apply_kwargs()),
             *callbacks,  # the user's, then the meter: it times what the user's callbacks cost

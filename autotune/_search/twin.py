@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autotune._plan.space import AUTO, SearchSpace, plan_from_params
+from autotune._plan.space import AUTO, SearchSpace, plan_for
 from autotune._search.choose import figures
 from autotune._search.cost import FEATURES, WORK_FIELDS, simplicity
 from autotune._search.halving import PINNED, plainest
@@ -52,15 +52,13 @@ def measure_twin(study: Any, space: SearchSpace, *, budget_bytes: int, devices: 
 
     from optuna.trial import TrialState
 
-    from autotune._search.memory import sharded_devices
-
     ranked = figures(study, budget_bytes)
     if not ranked or ranked[0].fields is None or ranked[0].simplicity() == simplicity({}):
         return
     lead = study.trials[ranked[0].trial]
     micro = lead.user_attrs.get("micro_batch_size")
     params = twin_params(space, lead.params)
-    key = plan_from_params(params, micro_batch_size=micro, **sharded_devices(params, devices)).key()
+    key = plan_for(params, micro, devices).key()
     known = {t.user_attrs.get("plan_key") for t in study.get_trials(deepcopy=False)}
     def pending() -> bool:
         return any(t.user_attrs.get(TWIN) is not None

@@ -102,12 +102,11 @@ def test_an_interrupted_search_says_whether_it_left_a_study(tmp_path: Path) -> N
 def test_an_estimate_budget_above_the_devices_memory_is_refused() -> None:
     import torch
 
-    from autotune._device.budget import Budget
-    from autotune._estimate.estimate import budget_in_bytes
+    from autotune._device.budget import resolve_budget
 
-    with pytest.raises(ValueError, match=r"budget 200GiB is more than the device's memory \(80.00 GiB\)"):
-        budget_in_bytes(Budget.parse("200GiB"), torch.device("cuda"), what_if=True, device_memory=80 * 2**30)
-    assert budget_in_bytes(Budget.parse("60GiB"), torch.device("cuda"), what_if=True,
-                           device_memory=80 * 2**30) == 60 * 2**30
-    with pytest.raises(ValueError, match=r"budget 1000TiB is more than the device's memory \("):  # this host's
-        budget_in_bytes(Budget.parse("1000TiB"), torch.device("cpu"), what_if=False, device_memory=None)
+    with pytest.raises(ValueError, match=r"budget 200GiB \(200.00 GiB\) is more than cuda:0's memory \(80.00 GiB\)"):
+        resolve_budget("200GiB", torch.device("cuda", 0), what_if=True, device_memory=80 * 2**30)
+    assert resolve_budget("60GiB", torch.device("cuda"), what_if=True,
+                          device_memory=80 * 2**30).budget_bytes == 60 * 2**30
+    with pytest.raises(ValueError, match=r"budget 1000TiB \(1000.00 TiB\) is more than cpu's memory \("):
+        resolve_budget("1000TiB", torch.device("cpu"))  # this host's memory, read

@@ -1,8 +1,11 @@
+import dataclasses
 import math
+import pickle
+from typing import Any
 
 import pytest
 
-from autotune._device.budget import Budget, format_bytes
+from autotune._device.budget import Budget, format_bytes, resolve_budget
 
 GIB = 2**30
 MIB = 2**20
@@ -197,3 +200,68 @@ def test_resolve_is_keyword_only():
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+# ------------------------------------------------------------------ one resolution: the search's bytes reach the trial
+@pytest.mark.parametrize("spec", ["auto", 0.5])
+def test_a_trial_is_capped_at_the_bytes_the_search_resolved_not_at_a_reading_of_its_own(
+        spec: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search resolves the budget once and hands the trial those bytes: the trial's ElasticBatchSize caps memory at
+    exactly what the search judges the trial against, even where a reading in the trial would give other bytes."""
+    import torch
+    from types import SimpleNamespace
+
+    import autotune._device.probe as probe_module
+    from autotune import Plan
+    from autotune._search.objective import Objective
+    from autotune._search.trial import _trainer
+    from autotune.callbacks import ElasticBatchSize
+
+    cpu = torch.device("cpu")
+    real = probe_module.probe_memory(cpu)
+    total = real.total_bytes
+    monkeypatch.setattr(probe_module, "probe_memory",
+                        lambda device: dataclasses.replace(real, free_bytes=total // 2))
+    resolved = resolve_budget(spec, cpu)  # the search's reading: half of memory free
+    runner = object.__new__(Objective)  # the search's objective, as far as a trial's spec goes
+    runner.target, runner.config, runner.device, runner.devices, runner.budget = "t.py:make", None, cpu, 1, resolved
+    runner.steps, runner.warmup, runner.interval, runner._long_dir = 3, 1, 0.03, None
+    runner.estimator = SimpleNamespace(batch_sizes=None, batch=None)
+    plan = Plan(micro_batch_size=4)
+    spec_ = pickle.loads(pickle.dumps(runner._spec(plan)))  # across the process boundary
+    assert (spec_.budget.text, spec_.budget.budget_bytes) == (str(Budget.parse(spec)), runner.budget_bytes)
+
+    monkeypatch.setattr(probe_module, "probe_memory",  # a reading of the trial's own would differ in both
+                        lambda device: dataclasses.replace(real, total_bytes=total // 2, free_bytes=total // 4))
+    trainer = _trainer(spec_, plan, {}, [], 4, {})
+    [elastic] = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
+    assert elastic._resolve_budget(cpu) == (runner.budget_bytes, runner.budget_bytes)
+    assert str(elastic.budget) == str(Budget.parse(spec))  # the text, for messages
+    # a second resolution, in the trial, would have capped it elsewhere
+    assert ElasticBatchSize(budget=spec)._resolve_budget(cpu)[0] != runner.budget_bytes
+
+
+def test_the_estimate_the_search_and_the_callback_refuse_a_budget_over_the_device_in_one_sentence(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from autotune._cli.main import main
+    from autotune._search.search import search
+    from autotune.callbacks import ElasticBatchSize
+
+    target = f"{Path(__file__).resolve().parent / 'fixtures' / 'search_target.py'}:make"
+    sentence = r"^budget 1000TiB \(1000.00 TiB\) is more than cpu's memory \([0-9.]+ GiB\); give at most that, a share"
+    assert main(["estimate", target, "--budget", "1000TiB", "--device", "cpu"]) != 0
+    estimate_says = capsys.readouterr().err.strip().removeprefix("autotune: error: ")
+    with pytest.raises(ValueError, match=sentence) as searched:
+        search(target=target, budget="1000TiB", device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=None)
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ElasticBatchSize(budget="1000TiB")])
+    with pytest.raises(ValueError, match=sentence) as trained:
+        trainer.fit(BoringModel())
+    assert estimate_says == str(searched.value) == str(trained.value)
+    assert not (tmp_path / "s.db").exists()  # refused before the study was opened

@@ -21,6 +21,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from optuna.trial import TrialState
 
 from autotune import load_plan
+from autotune._device.budget import resolve_budget
+from autotune._transforms.blocks import find_blocks
 from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
 from autotune._transforms.blocks import find_blocks
@@ -173,8 +175,9 @@ def test_tuned_file_configures_ddp_on_two_cpu_ranks_through_the_cli(
 def test_a_ddp_trial_past_its_timeout_is_killed_with_its_ranks() -> None:
     """The timeout kills the trial process and the rank processes it forked, not the trial process alone."""
     plan = {"strategy": "ddp", "micro_batch_size": 1, "activation_checkpointing": 1.0, "num_workers": 0}
-    spec = TrialSpec(target=TARGET, config=None, plan=plan, budget="2GiB", device="cpu", devices=2, steps=10_000,
-                     warmup=1, interval=1e-9)  # never precise enough: it runs until the timeout
+    spec = TrialSpec(target=TARGET, config=None, plan=plan, budget=resolve_budget("2GiB", "cpu"), device="cpu",
+                     devices=2, steps=10_000, warmup=1,
+                     interval=1e-9)  # never precise enough: it runs until the timeout
     seen: set[psutil.Process] = set()
     done = threading.Event()
 
@@ -218,8 +221,8 @@ def test_every_rank_follows_rank_0s_timing_decisions(rank0_says: str, tmp_path: 
             return codes[rank0[len(self.own) - 1]]
 
     spec = TrialSpec(target=TARGET, config=None, plan={}, budget=None, device="cpu", devices=2, steps=20, warmup=1)
-    meter = meter_module.make_meter(spec=spec, batch_size=64, tokens_per_sample=None, launched=0.0,
-                                    out=str(tmp_path / "r.json"))
+    meter = meter_module.Meter(spec=spec, batch_size=64, tokens_per_sample=None, launched=0.0,
+                               out=str(tmp_path / "r.json"))
     trainer = SimpleNamespace(global_step=0, should_stop=False, strategy=Strategy())
     module = SimpleNamespace(device=torch.device("cpu"))
     for step in range(5):

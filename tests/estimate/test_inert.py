@@ -96,9 +96,10 @@ def test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target(by_
 
 def test_a_search_of_such_a_target_tries_no_checkpointing_and_says_so_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import autotune._search.objective as objective_module
     import autotune._search.search as search_module
     import autotune._search.trial as trial_module
-    from autotune._search.meter import TrialResult
+    from autotune._search.records import TrialResult
 
     def played(spec, timeout, while_running=None):  # every trial measured alike: the space is what is tested
         if while_running is not None:
@@ -106,7 +107,7 @@ def test_a_search_of_such_a_target_tries_no_checkpointing_and_says_so_once(
         return TrialResult("ok", samples_per_second=100.0, interval=(99.0, 101.0), peak_bytes=400 * 2**20,
                            peak_noise_bytes=0, steps_timed=3)
 
-    monkeypatch.setattr(search_module, "run_trial", played)
+    monkeypatch.setattr(objective_module, "run_trial", played)
     monkeypatch.setattr(trial_module, "run_trial", played)  # the CPU baseline's short run
     result = search_module.search(target=f"{TARGET}:make", budget="2GiB", space="cpu", trials=2, seed=0,
                                   device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=tmp_path / "tuned.yaml")

@@ -14,6 +14,7 @@ from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from autotune import Plan, load_plan, load_space
+from autotune._device.budget import resolve_budget
 from autotune._plan.space import plan_from_params
 from autotune._search.trial import TrialSpec
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
@@ -55,9 +56,12 @@ def test_plan_survives_every_hop(name: str, tmp_path: Path) -> None:
     assert from_space.to_dict() == expected
 
     # 2. the trial: the spec crosses a process boundary (pickled) and the trial process reads the plan back
-    spec = TrialSpec(target="t.py:make", config=None, plan=from_space.to_dict(), budget=BUDGET, device="cpu")
-    in_trial = pickle.loads(pickle.dumps(spec)).memory_plan()
+    spec = TrialSpec(target="t.py:make", config=None, plan=from_space.to_dict(), budget=resolve_budget(BUDGET, "cpu"),
+                     device="cpu")
+    crossed = pickle.loads(pickle.dumps(spec))
+    in_trial = crossed.memory_plan()
     assert in_trial.to_dict() == expected
+    assert (crossed.budget.text, crossed.budget.budget_bytes) == (BUDGET, 2 * 2**30)  # bytes, with the text
 
     # 3. the tuned file, read back by load_plan
     tuned = in_trial.replace(budget=BUDGET).save(tmp_path / "tuned.yaml")

@@ -17,7 +17,8 @@ from autotune import Plan
 from autotune._plan.space import Dimension, SearchSpace
 from autotune._search import meter as meter_module
 from autotune._search.choose import CHOSEN, REMEASURED, choose, combine, figures
-from autotune._search.meter import TrialSpec, relative_half_width, throughput, warmed_up
+from autotune._search.meter import relative_half_width, throughput, warmed_up
+from autotune._search.records import TrialSpec
 from autotune._search.speed import modelled_dimensions, ranked_candidates, with_variations
 
 # ------------------------------------------------------------------------------------------------ a trial's timing
@@ -61,8 +62,8 @@ def _meter_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, durations: list[f
     clock = _Clock(durations)
     monkeypatch.setattr(meter_module, "time", clock)
     base = {"target": "t.py:make", "config": None, "plan": {}, "budget": None, "device": "cpu", "warmup": 1}
-    meter = meter_module.make_meter(spec=TrialSpec(**{**base, **spec}), batch_size=10, tokens_per_sample=None,
-                                    launched=0.0, out=str(tmp_path / "r.json"))
+    meter = meter_module.Meter(spec=TrialSpec(**{**base, **spec}), batch_size=10, tokens_per_sample=None,
+                               launched=0.0, out=str(tmp_path / "r.json"))
     if peaks is not None:
         meter.memory = SimpleNamespace(peak=iter(peaks).__next__,
                                        peak_allocated=iter(allocated).__next__ if allocated is not None else None)

@@ -44,18 +44,18 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The search's side of the test above: each measured trial's context reaches the estimator, and a resumed
     search (or a worker joining one) starts from the contexts its study's measured trials recorded."""
-    import autotune._search.search as search_module
-    from autotune._device.budget import Budget
+    import autotune._search.objective as objective_module
+    from autotune._device.budget import resolve_budget
     from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES
     from autotune._estimate.devices import KNOWN_DEVICES
-    from autotune._search.meter import TrialResult
+    from autotune._search.records import TrialResult
     from autotune._search.speed import SearchSpeed
 
     def objective() -> Any:  # a CUDA search's objective, what-if on this machine, its trials played
-        runner = object.__new__(search_module._Objective)
+        runner = object.__new__(objective_module.Objective)
         runner.target, runner.config, runner.devices, runner.steps, runner.warmup = f"{GPT}:make", None, 1, 3, 1
         runner.interval, runner.trial_timeout, runner._long_dir = 0.03, 60.0, None
-        runner.device, runner.budget, runner.budget_bytes = torch.device("cuda"), Budget.parse("2GiB"), 2 * 2**30
+        runner.device, runner.budget = torch.device("cuda"), resolve_budget("2GiB", "cuda", what_if=True)
         runner.space = SimpleNamespace(suggest=lambda trial: {"micro_batch_size": 8})
         runner.estimator = SearchEstimator(load_target(f"{GPT}:make"), torch.device("cuda"))
         runner.speed = SearchSpeed(runner.estimator, batch_size=32, devices=1, speed=KNOWN_DEVICES["h200"])
@@ -64,7 +64,7 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
     study = optuna.create_study(direction="maximize")
     runner = objective()
     assert runner.estimator.baseline == CUDA_CONTEXT_BYTES
-    monkeypatch.setattr(search_module, "run_trial", lambda spec, timeout: TrialResult(
+    monkeypatch.setattr(objective_module, "run_trial", lambda spec, timeout: TrialResult(
         "ok", samples_per_second=10.0, peak_bytes=900 * MIB, context_bytes=828 * MIB))
     study.optimize(runner, n_trials=1)
     assert runner.estimator.baseline == 828 * MIB  # measured by the trial
