@@ -9,9 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,6 +22,7 @@ from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine
 from autotune._runtime.policy import Memory, MicroBatchPolicy
 from autotune._device.probe import probe_memory
+from autotune.callbacks._checks import check_strategy, check_trainer
 
 log = logging.getLogger("autotune")
 
@@ -175,9 +174,9 @@ class ElasticBatchSize(Callback):
         if mine and mine[-1] is not self:  # a later one (a tuned file's, stacked after the user's config) takes over
             rank_zero_info(f"ElasticBatchSize: {self.state_key} is replaced by the later {mine[-1].state_key}")
             return
-        _check_strategy(trainer, self.SUPPORTED_STRATEGIES)
+        check_strategy(trainer, self.SUPPORTED_STRATEGIES)
         if stage == "fit":
-            _check_trainer(trainer, pl_module)
+            check_trainer(trainer, pl_module)
         if any(is_batch_norm(m) for m in pl_module.modules()):
             rank_zero_warn(
                 "ElasticBatchSize: the model has BatchNorm layers; splitting a batch changes their batch statistics "
@@ -366,46 +365,3 @@ def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         accepted = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}")
-
-
-def _check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
-    strategy = trainer.strategy
-    if type(strategy) not in supported:
-        names = ", ".join(cls.__name__ for cls in supported)
-        raise MisconfigurationException(
-            f"ElasticBatchSize does not support {type(strategy).__name__}: it runs with {names} exactly (one device; "
-            "strategy='ddp', 'ddp_spawn', 'ddp_fork'; FSDP2 through ModelParallelStrategy with data parallelism only). "
-            "Lightning's FSDPStrategy (FSDP1), DeepSpeed and XLA strategies are not supported; remove the callback or "
-            "use one of these."
-        )
-    if isinstance(strategy, ModelParallelStrategy):
-        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
-        if tensor_parallel != 1:
-            raise MisconfigurationException(
-                f"ElasticBatchSize supports ModelParallelStrategy with data parallelism only (FSDP2), but "
-                f"tensor_parallel_size is {tensor_parallel}. Use ModelParallelStrategy(data_parallel_size=N, "
-                "tensor_parallel_size=1), or remove the callback."
-            )
-
-
-def _check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:
-    if trainer.accumulate_grad_batches != 1:
-        raise MisconfigurationException(
-            f"ElasticBatchSize does the gradient accumulation itself, but the Trainer has "
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches}. Set Trainer(accumulate_grad_batches=1) and "
-            f"let the dataloader yield the effective batch (e.g. batch_size=16 x {trainer.accumulate_grad_batches} "
-            f"= {16 * trainer.accumulate_grad_batches})."
-        )
-    for callback in trainer.callbacks:
-        if isinstance(callback, GradientAccumulationScheduler) and set(callback.scheduling.values()) != {1}:
-            raise MisconfigurationException(
-                f"ElasticBatchSize does the gradient accumulation itself, but a GradientAccumulationScheduler sets "
-                f"accumulate_grad_batches to {callback.scheduling} by epoch. Remove it and let the dataloader yield "
-                "the effective batch (a batch size that changes by epoch: a batch sampler or a DataModule that "
-                "reloads its dataloaders, reload_dataloaders_every_n_epochs=1)."
-            )
-    if not pl_module.automatic_optimization:
-        raise MisconfigurationException(
-            "ElasticBatchSize needs automatic optimization, but the LightningModule sets "
-            "`automatic_optimization = False`. Remove the callback, or switch to automatic optimization."
-        )

@@ -370,7 +370,7 @@ MUTATIONS = (
              ("tests/estimate/test_reads_values.py::test_larger_micro_batches_follow_each_moment_of_two_smaller_"
               "ones",)),
     Mutation("estimate-fits-settled-by-a-run", "autotune estimate's 'fits' agrees with a measured run near the budget",
-             "autotune/_cli/main.py", "", Assign("SETTLE_BAND", "-1.0"),
+             "autotune/_cli/estimate.py", "", Assign("SETTLE_BAND", "-1.0"),
              ("tests/estimate/test_estimate.py::test_a_cpu_row_near_the_budget_is_settled_by_a_short_run",)),
     Mutation("search-estimates-the-largest-batch", "auto micro-batches hold for the longest batch of varying lengths",
              "autotune/_search/memory.py", "SearchEstimator._call", Calls("longest_batch",
