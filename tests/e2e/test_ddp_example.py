@@ -22,6 +22,8 @@ from optuna.trial import TrialState
 
 from autotune import load_plan
 from autotune._device.budget import resolve_budget
+from autotune._search.halving import RUNG
+from autotune._search.twin import TWIN
 from autotune._transforms.blocks import find_blocks
 from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
@@ -123,13 +125,14 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
     code, out, trials = searched
     assert code == 0
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(finished) == 2 and not [t for t in trials if t.state == TrialState.FAIL]
-    # the multi_gpu space's seeds are tried first: DDP, then FSDP2 sharding (ZeRO-3 style) on the same 2 ranks
-    for seed, strategy, label in zip(finished, ("ddp", "fsdp"), ("ddp, ", "fsdp x2, ")):
-        assert seed.state == TrialState.COMPLETE and seed.user_attrs["status"] == "ok"
-        assert (seed.params["strategy"], seed.params["precision"], seed.params["micro_batch_size"]) == \
-            (strategy, "bf16-mixed", "auto")
-        assert seed.user_attrs["plan"].startswith(label)
+    assert not [t for t in trials if t.state == TrialState.FAIL]
+    # the step-time model's pick and the multi_gpu space's seeds (halving's rung and the leader's plain twin apart):
+    # DDP, and FSDP2 sharding (ZeRO-3 style) on the same 2 ranks, each measured
+    measured = [t for t in finished if not t.user_attrs.get(RUNG) and t.user_attrs.get(TWIN) is None]
+    assert 2 <= len(measured) <= 3
+    assert {t.params["strategy"] for t in measured if t.user_attrs["status"] == "ok"} == {"ddp", "fsdp"}
+    for t in measured:
+        assert t.user_attrs["plan"].startswith("ddp, " if t.params["strategy"] == "ddp" else "fsdp")
     for t in finished:
         assert t.user_attrs["source"] == "measured" and t.user_attrs["status"] in ("ok", "pruned")
         assert t.user_attrs["samples_per_second"] > 0 and t.user_attrs["steps_timed"] >= 1
