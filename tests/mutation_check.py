@@ -24,6 +24,7 @@ import ast
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,21 @@ def expression(code: str) -> ast.expr:
     return ast.parse(code, mode="eval").body
 
 
+def drop_statements(node: ast.AST, matches: Callable[[ast.stmt], bool]) -> int:
+    """Every statement under ``node`` that ``matches`` becomes ``pass``; how many did."""
+    count = 0
+    for parent in ast.walk(node):
+        for field in ("body", "orelse", "finalbody"):
+            statements = getattr(parent, field, None)
+            if not isinstance(statements, list):
+                continue
+            for i, statement in enumerate(statements):
+                if matches(statement):
+                    statements[i] = ast.Pass()
+                    count += 1
+    return count
+
+
 @dataclass(frozen=True)
 class Skip:
     """Every call of ``callee`` made as a statement is dropped."""
@@ -66,18 +82,8 @@ class Skip:
     callee: str
 
     def apply(self, node: ast.AST) -> int:
-        count = 0
-        for parent in ast.walk(node):
-            for field in ("body", "orelse", "finalbody"):
-                statements = getattr(parent, field, None)
-                if not isinstance(statements, list):
-                    continue
-                for i, statement in enumerate(statements):
-                    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call) and \
-                            names(self.callee, statement.value.func):
-                        statements[i] = ast.Pass()
-                        count += 1
-        return count
+        return drop_statements(node, lambda s: isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                               and names(self.callee, s.value.func))
 
 
 @dataclass(frozen=True)
@@ -145,17 +151,7 @@ class Drop:
     target: str
 
     def apply(self, node: ast.AST) -> int:
-        count = 0
-        for parent in ast.walk(node):
-            for field in ("body", "orelse", "finalbody"):
-                statements = getattr(parent, field, None)
-                if not isinstance(statements, list):
-                    continue
-                for i, statement in enumerate(statements):
-                    if isinstance(statement, ast.AugAssign) and ast.unparse(statement.target) == self.target:
-                        statements[i] = ast.Pass()
-                        count += 1
-        return count
+        return drop_statements(node, lambda s: isinstance(s, ast.AugAssign) and ast.unparse(s.target) == self.target)
 
 
 @dataclass(frozen=True)
