@@ -218,9 +218,15 @@ def _alive(pid: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ study identity
 def study_name(target: str, budget: Any, space: Any, device: Any) -> str:
-    """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study."""
-    stem = re.sub(r"[^A-Za-z0-9_.:-]+", "-", Path(target).name)
-    return f"autotune-{stem}-{budget}-{space.name}-{device.type}"
+    """``autotune-<target>-<budget>-<space>-<device>``: the same command resumes the same study.
+
+    A file target is named with its folder (``gpt-train.py:make``): two projects' ``train.py`` searched from one folder
+    (one ``autotune.db``) get two studies, not one refused for its other target."""
+    file = target.partition(":")[0]
+    stem = Path(target).name
+    if file.endswith((".py", ".yaml", ".yml")):
+        stem = f"{Path(file).resolve().parent.name}-{stem}"
+    return "autotune-" + re.sub(r"[^A-Za-z0-9_.:-]+", "-", stem) + f"-{budget}-{space.name}-{device.type}"
 
 
 def digest(*what: Any) -> str:

@@ -82,6 +82,20 @@ def test_a_study_resumed_with_a_changed_space_is_refused(tmp_path: Path) -> None
         search(**kwargs)
 
 
+def test_two_projects_train_py_searched_from_one_folder_get_two_studies(tmp_path: Path) -> None:
+    import types
+
+    import torch
+
+    from autotune._search.storage import study_name
+
+    space, cpu = types.SimpleNamespace(name="cpu"), torch.device("cpu")
+    gpt, ddp = (study_name(f"examples/{p}/train.py:make", "2GiB", space, cpu) for p in ("gpt", "ddp"))
+    assert (gpt, ddp) == ("autotune-gpt-train.py:make-2GiB-cpu-cpu", "autotune-ddp-train.py:make-2GiB-cpu-cpu")
+    assert study_name("pkg.models:make", "2GiB", space, cpu) == "autotune-pkg.models:make-2GiB-cpu-cpu"
+    assert study_name(f"{tmp_path}/my run/cfg.yaml", 0.8, space, cpu) == "autotune-my-run-cfg.yaml-0.8-cpu-cpu"
+
+
 def test_a_list_of_block_classes_is_a_shape_key_part() -> None:
     assert shape_key({"activation_checkpointing": ["Block"], "micro_batch_size": 8}) == (
         ("activation_checkpointing", ("Block",)),)

@@ -49,7 +49,7 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     assert plan == result.plan
     assert plan.budget == "3GiB" and plan.micro_batch_size in (2, 4, 8, 16, 32)
     assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
-    assert plan.provenance.produced_by.startswith("search (study 'autotune-train.py:make-3GiB-cpu-cpu'")
+    assert plan.provenance.produced_by.startswith("search (study 'autotune-gpt-train.py:make-3GiB-cpu-cpu'")
     finished = [t for t in result.study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     rungs = [t for t in finished if t.user_attrs.get(RUNG)]  # halving's plan, where the trials did not measure it
     twins = [t for t in finished if t.user_attrs.get(TWIN) is not None]  # the leader's, without its worker
