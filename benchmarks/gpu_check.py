@@ -194,8 +194,10 @@ def run_step(step: Step, out: Path) -> Step:
     with log.open("w") as sink:
         # a session of its own: at the limit the step gets Ctrl-C (SIGINT to its group), so pytest (and xdist's
         # workers) stop and still print the summary and write the junit XML of what ran; then the group is killed
+        # (Ctrl-C at its default in the step, whatever this process has: a check started in the background, with
+        # `nohup` or by a shell without job control, ignores SIGINT, and an ignored signal stays ignored across exec)
         proc = subprocess.Popen(step.command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_ctrl_c_at_default)
         try:
             try:
                 step.returncode = proc.wait(timeout=max(1.0, step.timeout_s - INTERRUPT_GRACE_S))
@@ -216,6 +218,10 @@ def run_step(step: Step, out: Path) -> Step:
     lines = log.read_text(errors="replace").splitlines()
     step.summary = [line for line in lines if any(k.lower() in line.lower() for k in _KEEP)][-8:] or lines[-3:]
     return step
+
+
+def _ctrl_c_at_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt(proc: subprocess.Popen) -> None:
