@@ -25,14 +25,16 @@ traceback: ``-rA`` output and a junit XML). Steps:
    ``--quick``: the GPT example only, under the cap where the CUDA context is most of it, which ended within the
    325 s an H200 run gave the step while the test suite's hungry target did not; on a CPU its options only).
 4. a realistic search: ``autotune search benchmarks/gpu_targets.py:gpt_350m`` (310M parameters, context 1024) under a
-   16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 2 trials).
+   16 GiB cap, with MFU from its trials (``--quick`` on a CPU: the small GPT example under 2 GiB, 1 trial).
 5. ``pytest -m gpu``: the other tests that need CUDA.
-6. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU).
+6. the estimator's accuracy (``benchmarks/estimator_accuracy.py``: the CUDA column on a GPU; ``--quick`` on a CPU: its
+   options only, its CPU rows are in docs/benchmarks.md).
 7. the elastic runtime's overhead and one real OOM's cost (``benchmarks/elastic_overhead.py``; ``--quick`` on a
    CPU: its options only, a run takes minutes).
 8. dynamic padding (``benchmarks/dynamic_padding.py``: the tokens and length-squared rules, and on a GPU real memory
    under an allocator cap; ``--quick``: on a GPU real memory only, over the 240 steps and 3 seeds its goal is stated
-   for (in 60 steps the first long batches' learning was half the excess), on a CPU the tokens rule in 60 steps).
+   for (in 60 steps the first long batches' learning was half the excess), on a CPU its options only: the test
+   suite runs its CPU rules).
 9. the whole suite with CUDA visible, less the gpu tests (steps 1 and 5), last since it is the longest: in parallel
    on half the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a
    CPU the layout tests only).
@@ -139,7 +141,7 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
     suite = list(suite_paths) if suite_paths else ["tests/test_layout.py"] if cpu_quick else []
     if not cpu_quick and importlib.util.find_spec("xdist") is not None:
         suite += ["-n", str(max(2, min(8, (os.cpu_count() or 2) // 2)))]
-    search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "2") if cpu_quick
+    search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "1") if cpu_quick
                                      else ("benchmarks/gpu_targets.py:gpt_350m", "16GiB", "4" if quick else "8"))
     search = [python, "-m", "autotune", "search", search_target, "--budget", budget, "--trials", trials,
               "--device", device, "--out", str(out / "tuned.yaml"), "--storage", f"sqlite:///{out / 'study.db'}",
@@ -158,18 +160,18 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
         Step("realistic search", search, 1500),
         Step("gpu tests", pytest("gpu-tests", "-m", "gpu", "-q", f"--ignore={TRIAL_MEMORY_TEST}"), 900),
         Step("estimator accuracy", [python, "benchmarks/estimator_accuracy.py", "--device", device,
-                                    *(["--quick", "--models", "mlp"] if quick else []),
-                                    "--json", str(out / "estimator_accuracy.json")], 900),
+                                    *(["--help"] if cpu_quick else ["--quick", "--models", "mlp"] if quick else []),
+                                    *([] if cpu_quick else ["--json", str(out / "estimator_accuracy.json")])], 900),
         Step("elastic overhead and one real OOM", [python, "benchmarks/elastic_overhead.py", "--device", device,
                                                    *(["--help"] if cpu_quick else ["--quick"] if quick else []),
                                                    *([] if cpu_quick else ["--json", str(out / "overhead.json")])],
              900),
         Step("dynamic padding", [python, "benchmarks/dynamic_padding.py", "--device", device,
                                  # --quick on a GPU: real memory only, at its goal's length (240 steps, seeds
-                                 # 0-2: about 2 minutes), the simulated rules being the CPU's to check
-                                 *((["--rule", "memory"] if cuda else ["--quick", "--rule", "tokens"]) if quick
-                                   else []),
-                                 "--json", str(out / "dynamic_padding.json")], 900),
+                                 # 0-2: about 2 minutes), the simulated rules being the CPU's to check (the test
+                                 # suite runs them: tests/runtime/test_shapes.py)
+                                 *((["--rule", "memory"] if cuda else ["--help"]) if quick else []),
+                                 *([] if cpu_quick else ["--json", str(out / "dynamic_padding.json")])], 900),
         # --quick leaves out the slow tests too (99 multi-process and search runs: 12 of CI's 15 minutes)
         Step("whole suite with CUDA visible",
              pytest("suite", "-q", "-m", "not gpu and not slow" if quick else "not gpu", *suite), 1500),
