@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -58,8 +59,16 @@ def test_doc_commands_run(doc: Path, scratch: tuple[Path, set[str]]) -> None:
         if shown in done:
             continue
         command = shown
-        if command.startswith("python benchmarks/"):
-            command += " --help"  # a benchmark run takes minutes: check that the script and its options are there
+        if command.startswith("python benchmarks/"):  # a run takes minutes: the script and its options are there
+            script, *args = shlex.split(command)[1:]
+            flags = {a.split("=")[0] for a in args if a.startswith("--")}
+            taken = set(re.findall(r"(--[a-z][a-z0-9-]*)", _usage(script)))
+            assert flags <= taken, f"{doc.name}: `{command}`: {script} does not take {sorted(flags - taken)}"
+            choices = {f: c.split(",") for f, c in re.findall(r"(--[a-z][a-z0-9-]*) \{([^}]*)\}", _usage(script))}
+            for flag, value in zip(args, args[1:]):
+                assert value in choices.get(flag, [value]), f"{doc.name}: `{command}`: {flag} takes {choices[flag]}"
+            done.add(shown)
+            continue
         if "postgresql://" in command:
             if POSTGRES is None:
                 continue  # needs a server; .ci/run starts one
@@ -70,6 +79,14 @@ def test_doc_commands_run(doc: Path, scratch: tuple[Path, set[str]]) -> None:
             code, err = _run(command, cwd=tmp_path, env=env)
         assert code == 0, f"{doc.name}: `{command}` failed:\n{err[-3000:]}"
         done.add(shown)
+
+
+@functools.cache
+def _usage(script: str) -> str:
+    """``python script --help`` (once per script: several docs' commands show one script with other options)."""
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script} --help failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
 
 def _run(command: str, *, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[int | None, str]:
