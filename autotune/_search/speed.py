@@ -3,9 +3,8 @@
 It holds each plan's predicted speed on the search's device, calibrated by the trials measured so far
 (:class:`SearchSpeed`). It orders the first trials (:func:`ranked_candidates`: predicted to fit, the fastest
 predicted first). It tries the dimensions the model does not rank one at a time around the first
-(:func:`with_variations`). And it says which of two plans does less work (:func:`less_work_key`), for telling apart
-plans whose measurements cannot. The model itself: :mod:`autotune._estimate.step_time`; the memory side of the search:
-:mod:`autotune._search.memory`.
+(:func:`with_variations`). The model itself: :mod:`autotune._estimate.step_time`; the memory side of the search:
+:mod:`autotune._search.memory`; which of two plans does less work: :mod:`autotune._search.cost`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from autotune._estimate.speed import SpeedModel, SpeedPrediction
     from autotune._search.memory import SearchEstimator
 
-__all__ = ["MODELLED", "SearchSpeed", "guided_trials", "less_work_key", "modelled_dimensions", "ranked_candidates",
+__all__ = ["MODELLED", "SearchSpeed", "guided_trials", "modelled_dimensions", "ranked_candidates",
            "with_variations"]
 
 log = logging.getLogger("autotune")
@@ -108,27 +107,6 @@ class SearchSpeed:
     def error(self) -> float | None:
         """The model's relative error on this target so far (each measured trial predicted from the others)."""
         return self._model.calibration.error() if self._model is not None else None
-
-
-def less_work_key(plan: Plan, *, batch_size: int) -> tuple[Any, ...]:
-    """A sort key putting first the plan that does less work for the same step, whatever the device: less
-    recomputation, fewer offloads, full optimizer state, no compile or FP8, fewer collectives (no sharding, ZeRO-2
-    before ZeRO-3), then fewer micro-batches. For choosing among plans whose measurements cannot be told apart
-    (the simplest that is as fast); where keys tie, the predicted speed decides
-    (:meth:`SearchSpeed.seconds_per_sample`).
-
-    Example:
-        >>> plans = [Plan(micro_batch_size=8, activation_checkpointing=1.0), Plan(micro_batch_size=4)]
-        >>> [p.describe() for p in sorted(plans, key=lambda p: less_work_key(p, batch_size=32))]
-        ['32-true, micro 4', '32-true, micro 8, ckpt 1.0']
-    """
-    ckpt = plan.activation_checkpointing
-    recomputed = float(ckpt) if not isinstance(ckpt, tuple) else (1.0 if ckpt else 0.0)
-    micro = min(plan.micro_batch_size or batch_size, batch_size)
-    return (recomputed, int(plan.activation_offload) + int(plan.optimizer_offload) + int(plan.cpu_offload),
-            plan.optimizer_state != "full", int(plan.compile) + int(plan.float8),
-            (plan.strategy == "fsdp", plan.reshard_after_forward and plan.strategy == "fsdp"),
-            math.ceil(batch_size / micro))
 
 
 def modelled_dimensions(space: SearchSpace) -> list[str]:

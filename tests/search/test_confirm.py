@@ -14,7 +14,6 @@ from optuna.trial import TrialState
 from autotune import Plan
 from autotune._plan.space import Dimension, SearchSpace
 from autotune._search.confirm import MIN_MEASURED, StopWhenConfirmed, observe_trial, predicted_best_first
-from autotune._search.speed import less_work_key
 
 SPACE = SearchSpace("t", "", (Dimension("micro_batch_size", (8, 16, 32)), Dimension("num_workers", (0, 1))))
 
@@ -93,15 +92,6 @@ def test_the_predicted_best_runs_before_the_seeds_and_each_trial_records_its_pre
     assert observed == [(Plan(micro_batch_size=32), 100.0)]
     observe_trial(trial, Plan(micro_batch_size=16), speed, None)  # out of memory: nothing to calibrate with
     assert len(observed) == 1
-
-
-def test_less_work_orders_recomputation_offload_and_low_bit_state_before_micro_batches() -> None:
-    plans = [Plan(micro_batch_size=32, activation_checkpointing=1.0), Plan(micro_batch_size=32, optimizer_state="8bit"),
-             Plan(micro_batch_size=4), Plan(micro_batch_size=16), Plan(micro_batch_size=32, activation_offload=True)]
-    ordered = sorted(plans, key=lambda p: less_work_key(p, batch_size=32))
-    assert [p.describe() for p in ordered] == [
-        "32-true, micro 16", "32-true, micro 4", "32-true, micro 32, 8bit state", "32-true, micro 32, offload",
-        "32-true, micro 32, ckpt 1.0"]
 
 
 def test_a_searchs_predictions_do_not_depend_on_what_was_traced_before() -> None:
