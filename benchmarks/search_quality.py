@@ -165,9 +165,9 @@ def exhaustive(table: Table, target: str, space: Any, budget: str, budget_bytes:
 
     # the search's own ``auto``: its estimator, the CPU baseline measured by a short run before the first trial, each
     # measured plan's peak (and CUDA context) calibrating its shape as a search's trials do
-    estimator = SearchEstimator(load_target(target), torch.device(device))
+    estimator = SearchEstimator(target=load_target(target), device=torch.device(device))
     estimator.measure_baseline(target=target, config=None)
-    auto = AutoMicro(estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=1)
+    auto = AutoMicro(estimator=estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=1)
     names: list[str] = []
     choices: dict[str, int] = {}
     start = time.perf_counter()

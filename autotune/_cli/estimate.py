@@ -99,7 +99,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.memory import SearchEstimator
 
-        estimator = SearchEstimator(target, resolved, trace=args.trace,
+        estimator = SearchEstimator(target=target, device=resolved, trace=args.trace,
                                     unestimated="the process baseline is not measured (this process's memory stands "
                                     "in for it)")
         estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)

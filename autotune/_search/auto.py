@@ -33,9 +33,15 @@ def point_key(params: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class AutoMicro:
-    """The search's ``auto`` micro-batches and what each shape (:func:`shape_key`) has taught them."""
+    """The search's ``auto`` micro-batches and what each shape (:func:`shape_key`) has taught them.
 
-    def __init__(self, estimator: SearchEstimator, *, budget_bytes: int, batch_size: int, devices: int) -> None:
+    Example (``estimator`` a :class:`~autotune._search.memory.SearchEstimator` of the GPT example on the CPU):
+        >>> auto = AutoMicro(estimator=estimator, budget_bytes=2 * 2**30, batch_size=32, devices=1)  # doctest: +SKIP
+        >>> auto({"precision": "bf16-mixed", "activation_checkpointing": 0.0})  # all 32 fit 2 GiB  # doctest: +SKIP
+        32
+    """
+
+    def __init__(self, *, estimator: SearchEstimator, budget_bytes: int, batch_size: int, devices: int) -> None:
         self.estimator, self.budget_bytes, self.batch_size, self.devices = estimator, budget_bytes, batch_size, devices
         self._cache: dict[tuple[Any, ...], int] = {}  # by shape, calibrations and room
         self._ceiling: dict[tuple[Any, ...], int] = {}  # by shape: half an 'auto' that ran out of memory

@@ -43,9 +43,16 @@ class SearchEstimator:
     trial gives its shape a baseline of its own as on CPU. That baseline takes in the allocator's fragmentation, the
     real context and what the estimator does not trace (compile, float8, kernels' scratch). Each shape is traced once
     per micro-batch. Any failure of the estimator is logged and the search goes on without it.
+
+    Example:
+        >>> import torch
+        >>> from autotune import Plan, load_target
+        >>> estimator = SearchEstimator(target=load_target("examples/gpt/train.py:make"),  # doctest: +SKIP
+        ...                             device=torch.device("cpu"))
+        >>> estimator.peak(Plan(micro_batch_size=8))  # bytes, in the search's measure  # doctest: +SKIP
     """
 
-    def __init__(self, target: Any, device: Any, *, trace: str = "auto",
+    def __init__(self, *, target: Any, device: Any, trace: str = "auto",
                  unestimated: str = "trials run unestimated") -> None:
         from autotune._device.meter import current_host_bytes
         from autotune._estimate.cuda_rules import CUDA_CONTEXT_BYTES

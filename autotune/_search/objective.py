@@ -40,10 +40,10 @@ class Objective:
         self.target, self.config, self.target_obj, self.space = target, config, target_obj, space
         self.budget, self.device, self.devices = budget, device, devices
         self.steps, self.warmup, self.interval, self.trial_timeout = steps, warmup, interval, trial_timeout
-        self.estimator = SearchEstimator(target_obj, device)
+        self.estimator = SearchEstimator(target=target_obj, device=device)
         self.speed = SearchSpeed(self.estimator, batch_size=target_obj.batch_size(), devices=devices)
-        self.auto = AutoMicro(self.estimator, budget_bytes=budget.budget_bytes, batch_size=target_obj.batch_size(),
-                              devices=devices)
+        self.auto = AutoMicro(estimator=self.estimator, budget_bytes=budget.budget_bytes,
+                              batch_size=target_obj.batch_size(), devices=devices)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
 
     @property

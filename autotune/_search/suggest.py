@@ -83,11 +83,11 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
     space_obj = load_space(name).for_device(
         resolved, batch_size=batch_size, capability=device_speed.capability if what_if and device_speed else None,
         gpus=devices if what_if else None)
-    estimator = SearchEstimator(tgt, resolved)
+    estimator = SearchEstimator(target=tgt, device=resolved)
     if resolved.type == "cpu":
         estimator.measure_baseline(target=target, config=config)
     speed = SearchSpeed(estimator, batch_size=batch_size, devices=devices, speed=device_speed)
-    auto = AutoMicro(estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=devices)
+    auto = AutoMicro(estimator=estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=devices)
     candidates = ranked_candidates(space_obj, limit=top, batch_size=batch_size, devices=devices,
                                    cost=speed.seconds_per_sample, resolve_micro=auto, peak=estimator.peak,
                                    budget_bytes=budget_bytes, tensor_room=budget_bytes - estimator.baseline)

@@ -388,7 +388,7 @@ def test_cpu_estimate_and_a_measured_trial_agree_on_the_peak(target) -> None:
     from autotune._target.target import load_target
 
     loaded = load_target(target)
-    estimator = SearchEstimator(loaded, torch.device("cpu"))
+    estimator = SearchEstimator(target=loaded, device=torch.device("cpu"))
     estimator.measure_baseline(target=target, config=None, meanwhile=[Plan(micro_batch_size=8)])
     # traced while the short run measured memory: its own plan, and those asked for
     assert estimator.traced(Plan(micro_batch_size=1)) and estimator.traced(Plan(micro_batch_size=8))

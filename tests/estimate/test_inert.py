@@ -78,7 +78,7 @@ def test_compiling_layers_that_never_run_and_offloading_on_the_cpu_are_named() -
 
 @pytest.fixture(scope="module")
 def by_hand() -> SearchEstimator:
-    return SearchEstimator(load_target(f"{TARGET}:make"), torch.device("cpu"))
+    return SearchEstimator(target=load_target(f"{TARGET}:make"), device=torch.device("cpu"))
 
 
 def test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target(by_hand: SearchEstimator) -> None:
@@ -90,7 +90,7 @@ def test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target(by_
         "activation_checkpointing=0.5, 1.0 dropped for this target: it applies to nothing (the 4 Parts block(s) it "
         "wraps never run their own forward in the step (their parts are called by hand), so nothing is recomputed); "
         "1 seed(s) with it left out",)
-    called = SearchEstimator(load_target(f"{TARGET}:make_called"), torch.device("cpu"))
+    called = SearchEstimator(target=load_target(f"{TARGET}:make_called"), device=torch.device("cpu"))
     assert without_inert(space, called.inert) == space
 
 

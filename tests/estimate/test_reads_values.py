@@ -268,7 +268,7 @@ def test_the_search_estimates_such_a_target_and_records_how(tmp_path, monkeypatc
 
     path = tmp_path / "demo_transformer.py"
     path.write_text(TARGET.format(benchmarks=str(bench.__file__.rsplit("/", 1)[0])))
-    estimator = SearchEstimator(load_target(f"{path}:make"), torch.device("cpu"))
+    estimator = SearchEstimator(target=load_target(f"{path}:make"), device=torch.device("cpu"))
     plan = Plan(precision="bf16-mixed", micro_batch_size=8)
     assert estimator.tensors(plan) == estimate(model=bench.build("transformer")[0], batch=bench.build("transformer")[1],
                                                plan=plan, device="cpu").predicted_peak_bytes

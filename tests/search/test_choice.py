@@ -305,7 +305,7 @@ def test_ranked_candidates_fit_the_budget_cheapest_first_and_estimate_only_what_
 def test_each_measured_shape_gets_its_own_cpu_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
     from autotune._search.memory import SearchEstimator
 
-    estimator = SearchEstimator(None, torch.device("cpu"))
+    estimator = SearchEstimator(target=None, device=torch.device("cpu"))
     tensors = {Plan(micro_batch_size=8).key(): 10, Plan(micro_batch_size=8, activation_checkpointing=1.0).key(): 4}
     monkeypatch.setattr(estimator, "tensors", lambda plan: tensors[plan.replace(num_workers=None).key()])
     tensors[Plan(micro_batch_size=2).key()] = 3
@@ -354,7 +354,7 @@ def test_a_smaller_micro_batch_of_a_traced_shape_is_known_to_fit_and_calibrates_
     from autotune._search.memory import SearchEstimator
 
     gpt = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
-    estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cpu"))
+    estimator = SearchEstimator(target=load_target(f"{gpt}:make"), device=torch.device("cpu"))
     estimator.baseline, estimator.calibrated = 100 * 2**20, True  # as if measured by the short run
     at8 = estimator.tensors(Plan(micro_batch_size=8))
     assert estimator.traced(Plan(micro_batch_size=8, num_workers=1)) and not estimator.traced(Plan(micro_batch_size=4))
@@ -390,7 +390,7 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
 
     gpt = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
     # what-if on this machine: the trial's peak is the allocator's reserve plus the context, the estimate's tensors
-    estimator = SearchEstimator(load_target(f"{gpt}:make"), torch.device("cuda"))
+    estimator = SearchEstimator(target=load_target(f"{gpt}:make"), device=torch.device("cuda"))
     at16 = estimator.tensors(Plan(micro_batch_size=16))
     assert estimator.peak(Plan(micro_batch_size=16)) == at16 + CUDA_CONTEXT_BYTES
     budget = at16 + CUDA_CONTEXT_BYTES

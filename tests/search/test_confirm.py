@@ -107,8 +107,8 @@ def test_a_searchs_predictions_do_not_depend_on_what_was_traced_before() -> None
     gpt = f"{Path(__file__).resolve().parents[2] / 'examples' / 'gpt' / 'train.py'}:make"
 
     def speed() -> SearchSpeed:
-        return SearchSpeed(SearchEstimator(load_target(gpt), torch.device("cpu")), batch_size=32, devices=1,
-                           speed=KNOWN_DEVICES["l4"])
+        return SearchSpeed(SearchEstimator(target=load_target(gpt), device=torch.device("cpu")), batch_size=32,
+                           devices=1, speed=KNOWN_DEVICES["l4"])
 
     fresh, used = speed(), speed()
     used.estimator.tensors(Plan(micro_batch_size=2))  # the memory side traced micro-batch 2 first

@@ -22,7 +22,7 @@ def test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_n
     """An H200's trial processes held 828 MiB of context against the 512 MiB estimated: a shape not measured yet
     starts from the smallest context a trial measured, for its prediction and for rejecting it unmeasured; a shape
     measured keeps its own gap; a CPU search has no context to learn."""
-    estimator = SearchEstimator(load_target(f"{GPT}:make"), torch.device("cuda"))
+    estimator = SearchEstimator(target=load_target(f"{GPT}:make"), device=torch.device("cuda"))
     ckpt, plain = Plan(micro_batch_size=16, activation_checkpointing=1.0), Plan(micro_batch_size=16)
     measured = estimator.tensors(plain) + 900 * MIB
     assert estimator.calibrate(plain, measured)  # the plain shape's own gap: 900 MiB
@@ -35,7 +35,7 @@ def test_on_cuda_the_context_a_trial_measured_replaces_the_estimate_for_shapes_n
     assert not estimator.measured_context(900 * MIB)  # a compiled plan's larger context is that plan's
     assert estimator.measured_context(800 * MIB) and estimator.peak(ckpt) == estimator.tensors(ckpt) + 800 * MIB
     assert not estimator.measured_context(0)
-    cpu = SearchEstimator(load_target(f"{GPT}:make"), torch.device("cpu"))
+    cpu = SearchEstimator(target=load_target(f"{GPT}:make"), device=torch.device("cpu"))
     baseline = cpu.baseline
     assert not cpu.measured_context(828 * MIB) and cpu.baseline == baseline
 
@@ -57,7 +57,7 @@ def test_a_cuda_search_learns_the_context_from_its_trials_and_from_a_resumed_stu
         runner.interval, runner.trial_timeout, runner._long_dir = 0.03, 60.0, None
         runner.device, runner.budget = torch.device("cuda"), resolve_budget("2GiB", "cuda", what_if=True)
         runner.space = SimpleNamespace(suggest=lambda trial: {"micro_batch_size": 8})
-        runner.estimator = SearchEstimator(load_target(f"{GPT}:make"), torch.device("cuda"))
+        runner.estimator = SearchEstimator(target=load_target(f"{GPT}:make"), device=torch.device("cuda"))
         runner.speed = SearchSpeed(runner.estimator, batch_size=32, devices=1, speed=KNOWN_DEVICES["h200"])
         return runner
 

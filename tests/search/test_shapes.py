@@ -47,7 +47,7 @@ def test_a_fixed_shape_target_does_not_vary() -> None:
 
 def test_the_search_estimates_on_the_largest_batch(tmp_path) -> None:
     loaded = load_target(PADDED)
-    estimator = SearchEstimator(loaded, torch.device("cpu"))
+    estimator = SearchEstimator(target=loaded, device=torch.device("cpu"))
     plan = Plan(micro_batch_size=8)
     got = estimator.tensors(plan)
     longest, _ = longest_batch(load_target(PADDED))
