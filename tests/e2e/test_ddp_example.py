@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -29,29 +27,19 @@ from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
 from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ElasticBatchSize
+from tests.support.examples import load_example, one_thread  # noqa: F401 (one_thread: a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp"
 CONFIG = EXAMPLE / "config.yaml"
 TARGET = f"{EXAMPLE / 'train.py'}:make"
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def train() -> ModuleType:
-    """``examples/ddp/train.py`` loaded by path, as ``autotune search examples/ddp/train.py:make`` would."""
-    spec = importlib.util.spec_from_file_location("ddp_example_train", EXAMPLE / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    return load_example("ddp")
 
 
 def test_batches_have_documented_shape_and_are_deterministic(train: ModuleType) -> None:

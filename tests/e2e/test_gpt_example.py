@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -14,28 +12,17 @@ import torch
 import yaml
 
 from autotune.callbacks import ElasticBatchSize
+from tests.support.examples import load_example, one_thread  # noqa: F401 (one_thread: a fixture)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 CONFIG = EXAMPLE / "config.yaml"
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def train() -> ModuleType:
-    """``examples/gpt/train.py`` loaded by path, as ``autotune search examples/gpt/train.py:make`` would."""
-    spec = importlib.util.spec_from_file_location("gpt_example_train", EXAMPLE / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and timing stays steady when other processes share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    return load_example("gpt")
 
 
 def test_batches_have_documented_shape_and_are_deterministic(train: ModuleType) -> None:
