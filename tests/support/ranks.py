@@ -8,7 +8,8 @@ Every rank runs to its own end or the deadline: a rank that would wait forever f
 :class:`RanksHung` (an ``AssertionError``: a failed test, not one that stops the suite) says which ranks hung, their
 last lines of output and where each waits. Lightning's launcher and ``torchrun`` kill the other ranks once one has
 failed: ``stop_peers=True`` does that too. Each rank leads a process group of its own, and at the end every rank
-still running is killed with its group (its dataloader workers).
+still running is killed with its group (its dataloader workers); what a forked rank leaves of its group when it ends is
+killed then.
 
 A rank is forked from a server that imported torch and Lightning once per test session (``zygote.py``: a rank
 starts in milliseconds, not the 4-5 s of CPU of those imports), made what a cold start would have made it (its

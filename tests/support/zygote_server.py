@@ -119,7 +119,10 @@ def _kill_group(pid: int) -> None:
 
 
 def _say(answers: int, message: dict) -> None:
-    os.write(answers, (json.dumps(message) + "\n").encode())
+    try:
+        os.write(answers, (json.dumps(message) + "\n").encode())
+    except BrokenPipeError:  # the session is gone: the end of its input follows, and ends the ranks
+        pass
 
 
 def _become_rank(request: dict) -> None:
