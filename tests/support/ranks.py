@@ -7,11 +7,21 @@ Every rank runs to its own end or the deadline: a rank that would wait forever f
 ``timeout`` every rank still running dumps its Python stacks (``faulthandler``, on SIGUSR2) and is killed, and
 :class:`RanksHung` (an ``AssertionError``: a failed test, not one that stops the suite) says which ranks hung, their
 last lines of output and where each waits. Lightning's launcher and ``torchrun`` kill the other ranks once one has
-failed: ``stop_peers=True`` does that too.
+failed: ``stop_peers=True`` does that too. Each rank leads a process group of its own, and at the end every rank
+still running is killed with its group (its dataloader workers); what a forked rank leaves of its group when it ends is
+killed then.
+
+A rank is forked from a server that imported torch and Lightning once per test session (``zygote.py``: a rank
+starts in milliseconds, not the 4-5 s of CPU of those imports), made what a cold start would have made it (its
+environment, files, ``sys.argv``, working folder, signal dispositions, the rank Lightning computed at import,
+the random seeds), and imports ``autotune`` and the script afresh. A run whose environment sets a variable read when
+a process starts (``OMP_NUM_THREADS``, ``MALLOC_*``, ``PYTHON*``, ``TORCH_*``: ``zygote.START_TIME``), or any run
+under ``AUTOTUNE_TEST_COLD_RANKS=1``, starts cold: ``python -c _BOOT script ...`` per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support import zygote
 
 #: Each rank starts through this: its stacks are dumped on SIGUSR2, then the script runs as ``__main__``.
 _BOOT = ("import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR2, all_threads=True); "
@@ -43,14 +55,17 @@ def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180, stop_pee
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="autotune-ranks-") as folder:
         logs = [(Path(folder) / f"{r}.out", Path(folder) / f"{r}.err") for r in range(ranks)]
-        procs = []
-        for rank, (out, err) in enumerate(logs):
-            rank_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        "WORLD_SIZE": str(ranks), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
-            with out.open("w") as o, err.open("w") as e:
-                procs.append(subprocess.Popen([sys.executable, "-c", _BOOT, *argv], env=rank_env, stdout=o, stderr=e))
+        envs = [{**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "WORLD_SIZE": str(ranks), "NODE_RANK": "0", "LOCAL_RANK": str(rank)} for rank in range(ranks)]
+        forked = zygote.can_fork(envs)
+        procs: list[subprocess.Popen[str] | zygote.Rank] = []
         deadline, hung, killed = time.monotonic() + timeout, [], set()
         try:
+            for rank, (out, err) in enumerate(logs):
+                with out.open("w") as o, err.open("w") as e:
+                    procs.append(zygote.fork(argv, index=rank, env=envs[rank], out=out, err=err) if forked
+                                 else subprocess.Popen([sys.executable, "-c", _BOOT, *argv], env=envs[rank], stdout=o,
+                                                       stderr=e, process_group=0))
             while any(p.poll() is None for p in procs):
                 if stop_peers and any(p.returncode not in (None, 0) for p in procs):
                     break
@@ -64,7 +79,7 @@ def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180, stop_pee
         finally:
             for rank, p in enumerate(procs):
                 if p.poll() is None:
-                    p.kill()
+                    _kill_group(p)
                     killed.add(rank)
                 p.wait()
         outs = [out.read_text() for out, _ in logs]
@@ -81,6 +96,15 @@ def run_ranks(argv: list[str], *, ranks: int = 2, timeout: float = 180, stop_pee
                         + "\n".join(report) + "\n--- every rank's stderr (tail) ---\n" + stderr[-6000:])
     code = next((p.returncode for r, p in enumerate(procs) if p.returncode and r not in killed), 0)
     return subprocess.CompletedProcess([sys.executable, *argv], code, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen[str] | zygote.Rank) -> None:
+    """SIGKILL to a running rank and every process of its group (its dataloader workers)."""
+    if isinstance(proc, zygote.Rank):
+        proc.kill()  # through its server, which has not reaped it
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # not yet reaped here either: its number is still its group's
 
 
 def _current_thread(dump: str) -> str:
