@@ -138,7 +138,10 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tmp_path: Path) -> None:
+def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(
+        tmp_path: Path, choice_without_remeasurement: None) -> None:
+    # make_huge's trials take about 11 s each: the choice picks from their runs (auto's and 16 overlap, and each
+    # re-measurement would be one more such trial)
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": "auto"}),
                             micro_batch_size=["auto", 32])
     result = search(device="cpu", target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
@@ -160,7 +163,8 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
 
 
 @pytest.mark.slow
-def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           choice_without_remeasurement: None) -> None:
     import autotune._search.confirm
 
     monkeypatch.setattr(autotune._search.confirm, "MIN_MEASURED", 10)  # the step-time model would skip micro 8
