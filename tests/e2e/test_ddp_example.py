@@ -27,6 +27,7 @@ from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
 from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ElasticBatchSize
+from tests.support.choice import no_remeasurement
 from tests.support.examples import load_example, one_thread  # noqa: F401 (one_thread: a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,9 +103,11 @@ def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[
     folder = tmp_path_factory.mktemp("ddp_search")
     storage = f"sqlite:///{folder}/s.db"
     out = folder / "tuned.yaml"
-    code = autotune(["search", TARGET, "--budget", "2GiB", "--space", "multi_gpu", "--devices", "2",
-                     "--device", "cpu", "--trials", "2", "--steps", "2", "--warmup", "1", "--seed", "0",
-                     "--storage", storage, "--study", "ddp", "--out", str(out), "--no-progress"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        no_remeasurement(monkeypatch)  # the tests here are about the trials and the tuned file, not the choice
+        code = autotune(["search", TARGET, "--budget", "2GiB", "--space", "multi_gpu", "--devices", "2",
+                         "--device", "cpu", "--trials", "2", "--steps", "2", "--warmup", "1", "--seed", "0",
+                         "--storage", storage, "--study", "ddp", "--out", str(out), "--no-progress"])
     return code, out, optuna.load_study(study_name="ddp", storage=storage).get_trials()
 
 

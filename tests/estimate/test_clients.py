@@ -364,7 +364,7 @@ trainer:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_CLIENTS)
 def test_a_client_model_s_search_writes_a_tuned_file_that_lightning_cli_trains(
-        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, choice_without_remeasurement: None) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     from autotune import load_plan

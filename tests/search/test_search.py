@@ -138,7 +138,10 @@ def test_cpu_budget_excludes_plans_whose_peak_is_over(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tmp_path: Path) -> None:
+def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(
+        tmp_path: Path, choice_without_remeasurement: None) -> None:
+    # make_huge's trials take about 11 s each: the choice picks from their runs (auto's and 16 overlap, and each
+    # re-measurement would be one more such trial)
     space = one_point_space(tmp_path, seeds=({"micro_batch_size": 32}, {"micro_batch_size": "auto"}),
                             micro_batch_size=["auto", 32])
     result = search(device="cpu", target=f"{FIXTURE}:make_huge", budget="1.5GiB", space=space, trials=2,
@@ -160,28 +163,29 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(tm
 
 
 @pytest.mark.slow
-def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           choice_without_remeasurement: None) -> None:
     import autotune._search.confirm
 
-    monkeypatch.setattr(autotune._search.confirm, "MIN_MEASURED", 10)  # the step-time model would skip micro 8
-    seeds = ({"micro_batch_size": 32}, {"micro_batch_size": 16}, {"micro_batch_size": 8})
-    space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[32, 16, 8])
+    monkeypatch.setattr(autotune._search.confirm, "MIN_MEASURED", 10)  # the step-time model would skip micro 4
+    seeds = ({"micro_batch_size": 16}, {"micro_batch_size": 8}, {"micro_batch_size": 4})
+    space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[16, 8, 4])
     result = search(target=f"{FIXTURE}:make_fixed_cost", budget="2GiB", space=space, trials=3, steps=10, warmup=1,
                     device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=None)
     fast, second, slow = result.study.get_trials()[:3]
-    assert fast.params["micro_batch_size"] == 32 and fast.state == TrialState.COMPLETE
+    assert fast.params["micro_batch_size"] == 16 and fast.state == TrialState.COMPLETE
     # Timed until its interval was within 3% (a steady 0.1 s per call: the first 5 steps) or the cap.
     assert 5 <= fast.user_attrs["steps_timed"] <= 10
     low, high = fast.user_attrs["interval"]
     assert low <= fast.user_attrs["samples_per_second"] <= high
     assert second.state == TrialState.COMPLETE  # the bar is 90% of the second best's bottom: two must have run
-    assert slow.params["micro_batch_size"] == 8 and slow.state == TrialState.PRUNED
-    # 80/s at most (four 0.1 s calls a step), under the bar: stopped once its interval is clear of it, after at least 5
-    # timed steps, not its 10
+    assert slow.params["micro_batch_size"] == 4 and slow.state == TrialState.PRUNED
+    # 40/s at most (four 0.1 s calls a step of 16), under the bar: stopped once its interval is clear of it, after at
+    # least 5 timed steps, not its 10
     assert 5 <= slow.user_attrs["steps_timed"] < 10
     assert slow.user_attrs["interval"][1] < fast.user_attrs["samples_per_second"]
     assert "clearly slower" in slow.user_attrs["reason"]
-    assert result.plan.micro_batch_size in (32, 16)  # the pruned plan is never chosen
+    assert result.plan.micro_batch_size in (16, 8)  # the pruned plan is never chosen
 
 
 def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -442,10 +446,12 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
     import time
 
     storage = f"sqlite:///{tmp_path}/s.db"
-    space = one_point_space(tmp_path, micro_batch_size=[8, 32])
+    space = one_point_space(tmp_path, micro_batch_size=[4, 16])
     command = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_fixed_cost", "--budget", "2GiB",
-               "--space", space, "--trials", "2", "--warmup", "1", "--storage", storage, "--study", "s",
+               "--space", space, "--trials", "1", "--warmup", "1", "--storage", storage, "--study", "s",
                "--device", "cpu", "--out", str(tmp_path / "t.yaml"), "--no-progress", "--seed", "0"]
+    # One trial, the one Ctrl-C stops: the resumed search runs it again and is done (a second plan would add its
+    # run and the re-measurement of the two, which this test does not look at).
     # A slow trial, so that Ctrl-C reaches it while it runs: 40 steps of 0.1 s per micro-batch, timed to the cap (its
     # steady steps would reach +-3% in 5 and the search could end first). SIGINT at its default, as a terminal's
     # foreground process has it: a pytest started in the background by a shell without job control ignores it, and an
