@@ -91,6 +91,10 @@ def run_estimate(args: argparse.Namespace) -> int:
                                optimizer_states=args.optimizer_state or ("full",))
     resolved, what_if = estimate_device(device)
     resolved_budget = resolve_budget(budget, resolved, what_if=what_if, device_memory=memory)  # text -> bytes, once
+    if resolved.type == "cpu" and most is None:  # the baseline's short run: its server imports while the target loads
+        from autotune._search.trial import start_trial_server
+
+        start_trial_server()
     target = load_target(args.target, config=args.config)
     if most is not None:
         return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,

@@ -76,12 +76,19 @@ class SpeedModel:
         self.speed, self.batch_size = speed, batch_size
         self.calibration = calibration if calibration is not None else Calibration(prior_efficiency(speed))
         self.fp32 = fp32_matmul()
+        # parts by (work, plan, world size): a search ranks its space's plans again after each trial, on the same
+        # traces; the work is kept with its parts, so that its id is not reused while the entry lives
+        self._parts: dict[tuple[int, str, int], tuple[StepWork, StepParts]] = {}
 
     def parts(self, work: StepWork, plan: Plan, *, world_size: int = 1) -> StepParts:
         """``plan``'s step by bound at efficiency 1 (operators sorted to their bound at the prior's efficiencies, so
         a trial's parts stay what calibration fitted)."""
-        return step_parts(work, plan, device=self.speed, batch_size=self.batch_size, world_size=world_size,
-                          efficiency=self.calibration.prior, fp32_matmul=self.fp32)
+        key = (id(work), plan.key(), world_size)
+        if key not in self._parts:
+            self._parts[key] = (work, step_parts(work, plan, device=self.speed, batch_size=self.batch_size,
+                                                 world_size=world_size, efficiency=self.calibration.prior,
+                                                 fp32_matmul=self.fp32))
+        return self._parts[key][1]
 
     def predict(self, work: StepWork, plan: Plan, *, world_size: int = 1) -> SpeedPrediction:
         """``plan``'s predicted speed with the efficiencies fitted so far, and the model's error so far."""

@@ -159,11 +159,14 @@ def step_parts(work: StepWork, plan: Plan, *, device: DeviceSpeed, batch_size: i
                      if op.phase == "forward" and not op.flops and not op.host_link]
     sharded = plan.strategy == "fsdp" and world_size > 1
     per_pass = []
-    for size in sizes:
-        before = acc.device_seconds()
+    for size in dict.fromkeys(sizes):  # passes of one size cost the same: each size's pass is added up once
+        one = _Accumulator(device, efficiency, acc.fp32, plan)
         for op in pass_ops:
-            acc.add(op, size / work.micro_batch_size)
-        per_pass.append(acc.device_seconds() - before)
+            one.add(op, size / work.micro_batch_size)
+        count = sizes.count(size)
+        for bound, seconds in one.parts.items():
+            acc.parts[bound] += count * seconds
+        per_pass += [one.device_seconds()] * count
     for op in work.phase("update"):
         acc.add(op, 1 / world_size if sharded else 1.0)
     acc.parts["launch"] += (MICRO_BATCH_LAUNCHES * passes + STEP_LAUNCHES) * device.launch_seconds

@@ -77,6 +77,10 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
     if what_if and device_speed is None:
         raise ValueError(f"{resolved} is not on this machine: name its kind with --device-type (h100, a100, l4, ...)")
     budget_bytes = resolve_budget(budget, resolved, what_if=what_if, device_memory=device_memory).budget_bytes
+    if resolved.type == "cpu":  # the baseline's short run: its server imports while the target loads
+        from autotune._search.trial import start_trial_server
+
+        start_trial_server()
     tgt = load_target(target, config=config)
     batch_size = tgt.batch_size()
     name = space or ("multi_gpu" if devices > 1 else default_space_name(resolved))
