@@ -83,6 +83,11 @@ TARGETS = {"gpt": GPT_TARGET, "long": f"{HERE / 'long_context.py'}:make"}
 AUTO = "auto"
 
 
+
+def _remeasured(study: Any) -> int:
+    """How many re-measurements the search made: one study attribute each, named ``remeasured:<trial>:...``."""
+    return sum(key.startswith("remeasured:") for key in study.user_attrs)
+
 def plan_of(params: dict[str, Any], micro_batch_size: int | None) -> Any:
     """The plan of one point of a space (Optuna params); ``micro_batch_size`` replaces an ``auto`` choice."""
     from autotune import Plan
@@ -223,7 +228,7 @@ def run_ours(target: str, space: str, budget: str, device: str, trials: int, see
                 "measured": [t.user_attrs.get("plan") for t in ran],
                 "trial_seconds": sum(t.user_attrs.get("wall_seconds") or 0.0 for t in ran),
                 "parent_seconds": [t.user_attrs.get("parent_seconds") or 0.0 for t in ran],
-                "remeasured": sum(len(v) for v in study.user_attrs.get("remeasured", {}).values())}
+                "remeasured": _remeasured(study)}
     wall = time.perf_counter() - start
     ran = [t for t in result.study.get_trials(deepcopy=False) if t.user_attrs.get("source") == "measured"]
     return {"plan": result.plan.describe(), "params": dict(result.study.trials[result.trial_number].params),
@@ -231,7 +236,7 @@ def run_ours(target: str, space: str, budget: str, device: str, trials: int, see
             "measured": [t.user_attrs.get("plan") for t in ran],
             "trial_seconds": sum(t.user_attrs.get("wall_seconds") or 0.0 for t in ran),
             "parent_seconds": [t.user_attrs.get("parent_seconds") or 0.0 for t in ran],
-            "remeasured": sum(len(v) for v in result.study.user_attrs.get("remeasured", {}).values())}
+            "remeasured": _remeasured(result.study)}
 
 
 def run_random(table: Table, target: str, space: Any, budget_bytes: int, device: str, trials: int, seed: int,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,9 @@ REMEASURE_ROUNDS = 2
 #: A leader measured once whose peak is within this share of the budget is measured again before it is chosen: on
 #: the budget's edge, one run cannot tell how much the next (the user's) differs; two runs' spread is noise too.
 EDGE_SHARE = 0.01
-#: The study's user attribute holding re-measurements: {"<trial number>": [run, ...]}.
+#: Each re-measurement is a study user attribute of its own, ``remeasured:<trial number>:<when>-<id>``: workers that
+#: choose at once add runs side by side (one attribute holding them all lost a worker's runs to the next one's
+#: write). Studies of earlier versions hold them all in the attribute ``remeasured``: {"<trial number>": [run, ...]}.
 REMEASURED = "remeasured"
 #: The study's user attribute naming the chosen plan and its figures.
 CHOSEN = "chosen"
@@ -143,10 +147,19 @@ def over_budget_by(peak: int, noise: int | None, budget_bytes: int) -> int:
 
 
 def remeasured_runs(study: Any) -> dict[str, list[dict[str, Any]]]:
-    stored = study.user_attrs.get(REMEASURED, {})
-    # Studies of earlier versions stored a bare samples/s per re-measurement.
-    return {k: [r if isinstance(r, dict) else {"status": "ok", "samples_per_second": r} for r in v]
-            for k, v in stored.items()}
+    """Every re-measurement in ``study``, by trial number (as text), in the order they were made."""
+    attrs = study.user_attrs
+    # Studies of earlier versions held every run in one attribute, some as a bare samples/s.
+    runs = {k: [r if isinstance(r, dict) else {"status": "ok", "samples_per_second": r} for r in v]
+            for k, v in attrs.get(REMEASURED, {}).items()}
+    for key in sorted(k for k in attrs if k.startswith(REMEASURED + ":")):
+        runs.setdefault(key.split(":")[1], []).append(attrs[key])
+    return runs
+
+
+def add_remeasured(study: Any, trial: int, run: dict[str, Any]) -> None:
+    """Store ``run``, one more measurement of trial ``trial``'s plan, beside any other worker's (:data:`REMEASURED`)."""
+    study.set_user_attr(f"{REMEASURED}:{trial}:{time.time_ns():020d}-{uuid.uuid4().hex[:8]}", run)
 
 
 def _measured_by_plan(study: Any) -> dict[str, list[Any]]:
@@ -258,7 +271,6 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
     once on the budget's edge (``EDGE_SHARE``); the choice and its figures are stored in the study (``chosen``).
     ``remeasure(trial)`` measures the trial's plan once more and returns the run (see :func:`run_of`). None when no
     plan fits."""
-    stored = remeasured_runs(study)
     for round_ in range(REMEASURE_ROUNDS):
         ranked = figures(study, budget_bytes)
         if not ranked:
@@ -270,13 +282,14 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         simpler = [f for f in ranked if f.simplicity() < lead.simplicity()]
         if simpler and simpler[0] not in contenders and min(len(lead.runs), len(simpler[0].runs)) < 2:
             contenders.append(simpler[0])
-        reopened = [] if round_ else _reopened(study, lead, budget_bytes, stored)
+        reopened = [] if round_ else _reopened(study, lead, budget_bytes, remeasured_runs(study))
         edge = len(lead.runs) == 1 and lead.peak_bytes > (1 - EDGE_SHARE) * budget_bytes
         if len(contenders) == 1 and not edge and not reopened:
             break
         for trial in [study.trials[f.trial] for f in contenders if len(f.runs) <= round_ + 1] + reopened:
-            stored.setdefault(str(trial.number), []).append(remeasure(trial))  # one more run a round
-            study.set_user_attr(REMEASURED, stored)
+            if _measured_this_round(study, trial, round_, reopened=trial in reopened):
+                continue  # another worker choosing at the same time has measured it
+            add_remeasured(study, trial.number, remeasure(trial))  # one more run a round
     ranked = figures(study, budget_bytes)
     if not ranked:
         return None
@@ -288,6 +301,14 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         attrs["simpler_than"] = {**best.as_attrs(), "adds": what_it_adds(best.fields or {}, chosen_figure.fields or {})}
     study.set_user_attr(CHOSEN, attrs)
     return chosen_figure
+
+
+def _measured_this_round(study: Any, trial: Any, round_: int, *, reopened: bool) -> bool:
+    """Whether the study already holds this round's run of ``trial``'s plan (a re-measured contender has more than
+    ``round_ + 1`` runs; a reopened trial any re-measurement), as another worker's choice adds them."""
+    extra = remeasured_runs(study).get(str(trial.number), [])
+    timed = [r for r in extra if r.get("status") == "ok" and r.get("samples_per_second")]
+    return bool(extra) if reopened else 1 + len(timed) > round_ + 1
 
 
 def chosen(study: Any) -> dict[str, Any] | None:

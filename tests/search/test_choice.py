@@ -4,6 +4,7 @@ measured again before one is chosen, and the estimator's order of the first tria
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +17,7 @@ from optuna.trial import TrialState
 from autotune import Plan
 from autotune._plan.space import Dimension, SearchSpace
 from autotune._search import meter as meter_module
-from autotune._search.choose import CHOSEN, REMEASURED, choose, combine, figures
+from autotune._search.choose import CHOSEN, choose, combine, figures, remeasured_runs
 from autotune._search.meter import relative_half_width, throughput, warmed_up
 from autotune._search.records import TrialSpec
 from autotune._search.speed import modelled_dimensions, ranked_candidates, with_variations
@@ -166,7 +167,7 @@ def test_overlapping_contenders_are_measured_again_and_the_mean_decides() -> Non
     best = choose(study, 20, remeasure)
     assert asked == ["a", "b", "b", "a"]  # round 1: the leader, then its contender; round 2: the new leader first
     assert best.plan == "b" and best.runs == (100.0, 104.0, 103.0)  # over budget, pruned, far behind: not asked
-    stored = {k: [r["samples_per_second"] for r in v] for k, v in study.user_attrs[REMEASURED].items()}
+    stored = {k: [r["samples_per_second"] for r in v] for k, v in remeasured_runs(study).items()}
     assert stored == {"0": [90.0, 92.0], "1": [104.0, 103.0]}
     assert study.user_attrs[CHOSEN]["trial"] == 1 and study.user_attrs[CHOSEN]["samples_per_second"] == 307 / 3
     assert [f.plan for f in figures(study, 20)] == ["b", "a", "c"]
@@ -408,3 +409,35 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
     assert estimator.largest_micro(Plan(), budget, 32) == max(fitting) < 16
     assert estimator.peak(Plan(micro_batch_size=16, activation_checkpointing=1.0)) == (
         estimator.tensors(Plan(micro_batch_size=16, activation_checkpointing=1.0)) + CUDA_CONTEXT_BYTES)
+
+
+def test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_them(tmp_path: Path) -> None:
+    """Two workers of one study end their searches at once: each re-measurement is kept (one attribute holding them
+    all lost the first worker's runs to the second's write), and a contender the other worker has measured this round
+    is not measured again."""
+    storage = f"sqlite:///{tmp_path}/s.db"
+    mine = optuna.create_study(study_name="shared", storage=storage, direction="maximize")
+    for trial in _study([("a", 105.0, 6.0, 10, "ok"), ("b", 100.0, 6.0, 10, "ok")]).get_trials():
+        mine.add_trial(trial)
+    peer = optuna.load_study(study_name="shared", storage=storage)
+    again = {"a": [90.0, 92.0], "b": [104.0, 103.0]}
+    asked: dict[str, list[str]] = {"mine": [], "peer": []}
+
+    def run(rate: float) -> dict[str, Any]:
+        return {"status": "ok", "samples_per_second": rate, "interval": [rate - 3, rate + 3], "peak_bytes": 10}
+
+    def peers(trial: Any) -> dict[str, Any]:
+        asked["peer"].append(trial.user_attrs["plan"])
+        return run(again[trial.user_attrs["plan"]].pop(0))
+
+    def my(trial: Any) -> dict[str, Any]:
+        asked["mine"].append(trial.user_attrs["plan"])
+        if len(asked["mine"]) == 1:  # while this worker measures its first contender, the peer chooses
+            assert choose(peer, 20, peers).plan == "b"
+        return run(91.0)
+
+    assert choose(mine, 20, my).plan == "b"
+    assert asked == {"mine": ["a"], "peer": ["a", "b", "b", "a"]}  # b had its runs for the round: not asked again
+    stored = {k: sorted(r["samples_per_second"] for r in v) for k, v in remeasured_runs(mine).items()}
+    assert stored == {"0": [90.0, 91.0, 92.0], "1": [103.0, 104.0]}
+    assert [f.runs for f in figures(peer, 20)] == [(100.0, 104.0, 103.0), (105.0, 90.0, 92.0, 91.0)]

@@ -48,6 +48,7 @@ def budget_bytes() -> int:
 
 def searches(seeds: int) -> dict:
     from autotune import search
+    from autotune._search.choose import remeasured_runs
 
     budget = budget_bytes()
     folder = Path(tempfile.mkdtemp(prefix="autotune-synthetic-"))
@@ -63,7 +64,7 @@ def searches(seeds: int) -> dict:
                   for t in result.study.get_trials()]
         return {"seed": seed, "chosen": dict(result.study.trials[result.trial_number].params),
                 "figure": result.figure.as_attrs() if result.figure else None, "trials": trials,
-                "remeasured": result.study.user_attrs.get("remeasured", {})}
+                "remeasured": remeasured_runs(result.study)}
 
     runs = [one(seed) for seed in range(seeds)]  # one at a time: a paced step must not wait for a CPU
     return {"budget_bytes": budget, "runs": runs}
