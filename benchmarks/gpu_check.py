@@ -36,8 +36,8 @@ traceback: ``-rA`` output and a junit XML). Steps:
    for (in 60 steps the first long batches' learning was half the excess), on a CPU its options only: the test
    suite runs its CPU rules).
 9. the whole suite with CUDA visible, less the gpu tests (steps 1 and 5), last since it is the longest: in parallel
-   on half the cores (at most 8 workers) where pytest-xdist is installed (``--quick``: less the slow tests too; on a
-   CPU the layout tests only).
+   on half the cores (pytest-xdist, at most 8 workers; ``--quick``: less the slow tests too; on a CPU the layout tests
+   only, in one process). The other pytest steps run in one process: the gpu tests share the device.
 
 ``--only`` names steps to run (an unknown name is refused, with the steps' names); ``--suite-paths`` limits the
 whole-suite step to some test files (the rest of a suite an earlier run cut at its limit).
@@ -79,7 +79,7 @@ class Step:
 
 #: What the steps import: checked before any step runs, so that a machine without them (a fresh one, where an earlier
 #: call's install is gone) costs one line, not a suite of import errors (it cost an H200 run 4.5 minutes).
-NEEDED = ("autotune.callbacks", "autotune.search_spaces", "optuna", "jsonargparse", "pytest", "torchao")
+NEEDED = ("autotune.callbacks", "autotune.search_spaces", "optuna", "jsonargparse", "pytest", "xdist", "torchao")
 
 
 #: The test that holds a trial's tensors to a plain run's (the first step; the gpu-tests step leaves it out).
@@ -133,13 +133,14 @@ def steps(device: str, quick: bool, out: Path, suite_paths: list[str] | None = N
     python, cuda = sys.executable, device == "cuda"
     cpu_quick = quick and not cuda
 
-    def pytest(name: str, *args: str) -> list[str]:
-        return [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={out / (name + '.xml')}", *args]
+    def pytest(name: str, *args: str) -> list[str]:  # one process (the gpu tests share one device), unless args say
+        return [python, "-m", "pytest", "-rA", "-p", "no:cacheprovider", f"--junitxml={out / (name + '.xml')}",
+                "-n", "0", *args]
 
-    # the suite less the gpu tests (steps 1 and 5 ran them): on a CPU in quick mode the layout tests only; in parallel
-    # where pytest-xdist is installed (a lent GPU machine's cores: the suite takes 15 minutes on 2)
+    # the suite less the gpu tests (steps 1 and 5 ran them): on a CPU in quick mode the layout tests only; else on
+    # half a lent GPU machine's cores (pytest-xdist, at most 8 workers)
     suite = list(suite_paths) if suite_paths else ["tests/test_layout.py"] if cpu_quick else []
-    if not cpu_quick and importlib.util.find_spec("xdist") is not None:
+    if not cpu_quick:
         suite += ["-n", str(max(2, min(8, (os.cpu_count() or 2) // 2)))]
     search_target, budget, trials = (("examples/gpt/train.py:make", "2GiB", "1") if cpu_quick
                                      else ("benchmarks/gpu_targets.py:gpt_350m", "16GiB", "4" if quick else "8"))

@@ -49,6 +49,7 @@ def test_cpu_probe_counts_this_process_rss():
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs a resettable peak RSS (Linux)")
+@pytest.mark.alone  # a loaded CPU skews what it measures
 def test_cpu_meter_counts_allocations_and_not_mapped_files(tmp_path: Path) -> None:
     """The CPU budget's measure: 64 MiB of a mapped file raise the resident set, not the meter; 64 MiB of tensor do."""
     import mmap

@@ -106,29 +106,26 @@ def test_every_option_a_gpu_step_passes_is_one_its_script_takes(monkeypatch: pyt
         assert flags <= taken, f"{step.name}: {script} does not take {sorted(flags - taken)}"
 
 
-def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_in_parallel_where_xdist_is(
+def test_the_whole_suite_step_leaves_out_the_gpu_tests_and_runs_on_half_the_cores(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import steps
 
-    def suite(device: str, quick: bool, xdist: bool, paths: list[str] | None = None) -> list[str]:
-        real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec",  # installed or not, whatever this machine has
-                            lambda name, *a: (object() if xdist else None) if name == "xdist" else real(name, *a))
+    def suite(device: str, quick: bool, paths: list[str] | None = None) -> list[str]:
         monkeypatch.setattr("os.cpu_count", lambda: 16)
         command = next(s.command for s in steps(device, quick, ROOT, paths)
                        if s.name == "whole suite with CUDA visible")
         return command[command.index("-q"):]
 
-    assert suite("cuda", False, True) == ["-q", "-m", "not gpu", "-n", "8"]
-    assert suite("cuda", True, True) == ["-q", "-m", "not gpu and not slow", "-n", "8"]  # quick: no slow tests
-    assert suite("cuda", False, False) == ["-q", "-m", "not gpu"]
-    assert suite("cpu", True, True) == ["-q", "-m", "not gpu and not slow", "tests/test_layout.py"]
+    assert suite("cuda", False) == ["-q", "-m", "not gpu", "-n", "8"]
+    assert suite("cuda", True) == ["-q", "-m", "not gpu and not slow", "-n", "8"]  # quick: no slow tests
+    assert suite("cpu", True) == ["-q", "-m", "not gpu and not slow", "tests/test_layout.py"]  # one process
     # the rest of a suite an earlier run cut: only those files
-    assert suite("cuda", True, True, ["tests/search/test_search.py", "tests/plan/test_plan.py"]) == [
+    assert suite("cuda", True, ["tests/search/test_search.py", "tests/plan/test_plan.py"]) == [
         "-q", "-m", "not gpu and not slow", "tests/search/test_search.py", "tests/plan/test_plan.py", "-n", "8"]
+    for step in steps("cuda", True, ROOT):  # the gpu tests one at a time: they share the device
+        if step.command[1:3] == ["-m", "pytest"] and step.name != "whole suite with CUDA visible":
+            assert step.command[step.command.index("-n") + 1] == "0", step.name
 
 
 def test_a_step_cut_at_its_limit_keeps_pytests_summary_and_junit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -163,6 +163,7 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a loaded CPU skews what it measures
 def test_a_clearly_slower_plan_stops_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            choice_without_remeasurement: None) -> None:
     import autotune._search.confirm
