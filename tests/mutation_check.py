@@ -410,6 +410,15 @@ MUTATIONS = (
     Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
              "autotune/_search/search.py", "_run_trials", Skip("walk_ladder"),
              ("tests/search/test_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
+    Mutation("search-workers-skip-a-peer-s-measurement", "a contender a peer worker measured this round is not "
+             "measured again", "autotune/_search/choose.py", "_measured_this_round", Returns("", "False"),
+             ("tests/search/test_choice.py::test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_"
+              "them",)),
+    Mutation("search-workers-keep-each-other-s-runs", "workers choosing at once keep each other's re-measurements",
+             "autotune/_search/choose.py", "add_remeasured",
+             Calls("study.set_user_attr", "study.set_user_attr(f'{REMEASURED}:{trial}:0', run)"),
+             ("tests/search/test_choice.py::test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_"
+              "them",)),
     Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
              "autotune/_search/choose.py", "choose", Assign("edge", "False"),
              ("tests/search/test_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"
@@ -558,8 +567,8 @@ def run(m: Mutation, timeout: float) -> tuple[str, float]:
     path.write_text(mutated(m) or source)
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
-                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0",
+                               *m.tests], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
         # a test failing (an assertion) catches it; an error (import, collection) is a broken mutation
         status = "MISSED" if done.returncode == 0 else "caught" if " failed" in last and " error" not in last \
