@@ -28,17 +28,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-seed", type=int, default=0, help="the rank fault fuzzer's seed")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most ``slow`` tests first, each file's tests in their own order: xdist hands a worker the next
-    file when it is free, so the long ones start early and the two workers end together (in collection order the
-    long search files came last, one worker running them while the other was done)."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(
-            item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: ties keep collection order
-
-
 @pytest.fixture
 def choice_without_remeasurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test's searches choose from their trials' own runs (:func:`tests.support.choice.no_remeasurement`)."""
