@@ -83,10 +83,10 @@ TARGETS = {"gpt": GPT_TARGET, "long": f"{HERE / 'long_context.py'}:make"}
 AUTO = "auto"
 
 
-
 def _remeasured(study: Any) -> int:
     """How many re-measurements the search made: one study attribute each, named ``remeasured:<trial>:...``."""
     return sum(key.startswith("remeasured:") for key in study.user_attrs)
+
 
 def plan_of(params: dict[str, Any], micro_batch_size: int | None) -> Any:
     """The plan of one point of a space (Optuna params); ``micro_batch_size`` replaces an ``auto`` choice."""

@@ -5,8 +5,8 @@ The suite runs on two pytest-xdist workers (pyproject's ``addopts``: ``-n 2 --di
 worker; ``-n 0`` runs it in one process). So that two processes share 2 cores without waste, OpenMP's threads wait
 passively (``OMP_WAIT_POLICY``, set here for the workers and every process they start, unless already set): spinning
 threads burn the core the other worker needs (with them spinning the suite took longer on two workers than on one).
-A test marked ``alone`` runs while no other test does: its figures (a paced step's time, a sampled peak) are what a
-busy neighbour skews.
+A test marked ``alone`` runs while no other test does: its figures (a paced step's time, a trial's throughput) are
+what a busy neighbour skews.
 """
 
 from __future__ import annotations
