@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from autotune._device.probe import MemoryProbe, probe_memory
     from autotune._estimate.capacity import CapacityRow, estimate_capacity
     from autotune._estimate.estimate import Estimate, estimate
+    from autotune._estimate.recompute import BlockRecompute, RecomputeChoice, choose_recompute
     from autotune._estimate.speed import predict_speed
     from autotune._estimate.step_time import SpeedPrediction
     from autotune._plan.plan import PRECISIONS, STRATEGIES, Plan, load_plan
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from autotune._plan.tuned import PlanFileError
     from autotune._search.auto import AutoMicro
     from autotune._search.memory import SearchEstimator
+    from autotune._search.paired import Ratio, compare_plans
     from autotune._search.search import NoFeasiblePlanError, SearchResult, search
     from autotune._search.trial import TrialResult, measure_plan
     from autotune._target.target import Target, TargetError, load_target
@@ -43,6 +45,9 @@ _EXPORTS = {
     "estimate_capacity": "autotune._estimate.capacity",
     "Estimate": "autotune._estimate.estimate",
     "estimate": "autotune._estimate.estimate",
+    "BlockRecompute": "autotune._estimate.recompute",
+    "RecomputeChoice": "autotune._estimate.recompute",
+    "choose_recompute": "autotune._estimate.recompute",
     "predict_speed": "autotune._estimate.speed",
     "SpeedPrediction": "autotune._estimate.step_time",
     "PRECISIONS": "autotune._plan.plan",
@@ -57,6 +62,8 @@ _EXPORTS = {
     "PlanFileError": "autotune._plan.tuned",
     "AutoMicro": "autotune._search.auto",
     "SearchEstimator": "autotune._search.memory",
+    "Ratio": "autotune._search.paired",
+    "compare_plans": "autotune._search.paired",
     "NoFeasiblePlanError": "autotune._search.search",
     "SearchResult": "autotune._search.search",
     "search": "autotune._search.search",
@@ -71,6 +78,7 @@ __all__ = [
     "PRECISIONS",
     "STRATEGIES",
     "AutoMicro",
+    "BlockRecompute",
     "Budget",
     "CapacityRow",
     "Estimate",
@@ -80,6 +88,8 @@ __all__ = [
     "Plan",
     "PlanFileError",
     "Provenance",
+    "Ratio",
+    "RecomputeChoice",
     "SearchEstimator",
     "SearchResult",
     "SearchSpace",
@@ -90,6 +100,8 @@ __all__ = [
     "TargetError",
     "__version__",
     "available_spaces",
+    "choose_recompute",
+    "compare_plans",
     "estimate",
     "estimate_capacity",
     "is_oom_error",

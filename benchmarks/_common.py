@@ -10,6 +10,7 @@ imports a private module of ``autotune``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib.metadata
 import json
@@ -20,7 +21,7 @@ import platform
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,14 @@ def add_threads(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--threads", type=int, default=None, help=help)
 
 
+def add_neighbour(parser: argparse.ArgumentParser) -> None:
+    """``--neighbour SECONDS``: a busy neighbour beside the whole run, on for that long, off for as long (see
+    :func:`neighbour`; 0, the default: none)."""
+    parser.add_argument("--neighbour", type=float, default=0.0, metavar="SECONDS",
+                        help="a busy neighbour (a spinning process per core) on for SECONDS, off for SECONDS, beside "
+                             "the whole run (12: issue 54's load; default 0: none)")
+
+
 def add_json(parser: argparse.ArgumentParser, help: str = "also write every measurement here") -> None:
     """``--json PATH``: where to write the raw results as well."""
     parser.add_argument("--json", type=Path, default=None, help=help)
@@ -172,6 +181,43 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, pad:
 
 
 # ------------------------------------------------------------------------------------------------ processes
+
+
+@contextlib.contextmanager
+def neighbour(period: float) -> Iterator[dict[str, float]]:
+    """A busy neighbour coming and going beside the block: one process per core spinning a pure-Python loop for
+    ``period`` seconds, then none for ``period`` seconds, and so on, from the block's start (on first); nothing with
+    ``period`` 0. Yields a record of how long the neighbour ran (``on_seconds``) over the block (``seconds``)."""
+    import subprocess
+    import threading
+    import time
+
+    record = {"period": period, "on_seconds": 0.0, "seconds": 0.0}
+    if period <= 0:
+        yield record
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def toggle() -> None:
+        while not done.is_set():
+            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+            began = time.monotonic()
+            done.wait(period)
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            record["on_seconds"] += time.monotonic() - began
+            done.wait(period)
+
+    thread = threading.Thread(target=toggle, daemon=True)
+    thread.start()
+    try:
+        yield record
+    finally:
+        done.set()
+        thread.join()
+        record["seconds"] = time.monotonic() - start
 
 
 _FRESH: Any = None

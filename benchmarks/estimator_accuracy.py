@@ -254,7 +254,10 @@ def measure_peak(*, model: LightningModule, batch: Any, plan: Plan, device: str 
     precision = _precision_plugin(plan.precision, device)
     if precision is not None and hasattr(precision, "convert_module") and plan.precision.endswith("-true"):
         model = precision.convert_module(model)
-    if plan.activation_checkpointing:
+    if plan.activation_checkpointing == "auto":
+        _checkpoint_levels([m for m in model.modules() if isinstance(m, BLOCKS) or type(m).__name__ in _HF_LAYERS],
+                           plan.recompute or ())
+    elif plan.activation_checkpointing:
         _checkpoint(_blocks(model, plan.activation_checkpointing))
     optimizer: Any = _optimizer(model)
     if plan.optimizer_offload:
@@ -312,6 +315,35 @@ def _checkpoint(blocks: list[nn.Module]) -> None:
 
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+#: transformers' layers ``recompute.py`` measures (their models declare them as their unit of checkpointing).
+_HF_LAYERS = ("GPT2Block", "LlamaDecoderLayer")
+#: What this measurement's selective checkpointing saves (its own list, not the library's): matrix products and
+#: attention.
+_SAVED = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+          "_scaled_dot_product_cudnn_attention")
+
+
+def _checkpoint_levels(blocks: list[nn.Module], levels: tuple[str, ...]) -> None:
+    """``activation_checkpointing="auto"``: each block at its level: ``none``, ``ops`` (torch's selective
+    checkpointing saving matrix products and attention) or ``block`` (plain checkpoint)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    saved = {getattr(torch.ops.aten, name).default for name in _SAVED if hasattr(torch.ops.aten, name)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    assert len(levels) == len(blocks), (levels, len(blocks))
+    for block, level in zip(blocks, levels):
+        if level == "block":
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore
+        elif level == "ops":
+            block.forward = functools.partial(  # type: ignore[method-assign]
+                checkpoint, block.forward, use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def _offloaded(optimizer: torch.optim.Optimizer) -> Any:

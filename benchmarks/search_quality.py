@@ -31,6 +31,7 @@ Usage::
 
     python benchmarks/search_quality.py --quick               # the tight budget, 3 seeds, 6 trials
     python benchmarks/search_quality.py --quick --load 1      # the same beside one busy process (a noisy machine)
+    python benchmarks/search_quality.py --quick --neighbour 12  # beside a neighbour on 12 s, off 12 s (issue 54)
     python benchmarks/search_quality.py --quick --target long # the GPT at a 4x longer context: fits clear the noise
     python benchmarks/search_quality.py                       # both budgets, 5 seeds, 6 and 12 trials
     python benchmarks/search_quality.py --device cuda --json search_quality.json
@@ -59,12 +60,14 @@ from _common import (  # noqa: E402
     GPT_TARGET,
     HERE,
     add_device,
+    add_neighbour,
     add_json,
     add_threads,
     load_average,
     machine,
     machine_line,
     make_parser,
+    neighbour,
     markdown_table,
     quiet,
     threads_for,
@@ -392,6 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--oracle-runs", type=int, default=3, help="extra runs of the plans near the top (default 3)")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="a CPU-load generator: N busy processes beside the whole run (noise; default 0)")
+    add_neighbour(parser)
     add_json(parser)
     args = parser.parse_args(argv)
     args.seeds = args.seeds or (3 if args.quick else 5)
@@ -438,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "commit": _commit(),
                                "budgets": [], "load": args.load, "target": args.target}
     table = Table()
-    with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp, busy_processes(args.load):
+    with tempfile.TemporaryDirectory(prefix="autotune-search-quality-") as tmp, busy_processes(args.load), \
+            neighbour(args.neighbour) as comings:
         import torch
 
         from autotune import load_space, load_target
@@ -453,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.budgets:
             results["budgets"].append(run_budget(args, table, name, budgets[name], space_name, Path(tmp), pass_wall))
     results["wall_seconds"] = time.perf_counter() - start
+    results["neighbour"] = comings
     results["machine"]["load_average_end"] = load_average()
     results["plans"] = table.views()
     print(report(results))

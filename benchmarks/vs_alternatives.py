@@ -35,6 +35,7 @@ shared, so only ratios within one run mean anything. Results go to stdout (and `
 Usage::
 
     python benchmarks/vs_alternatives.py --quick --device cpu      # 4-5 minutes on a shared 2-core CPU
+    python benchmarks/vs_alternatives.py --quick --neighbour 12    # beside a neighbour on 12 s, off 12 s (issue 54)
     python benchmarks/vs_alternatives.py --device cuda --json vs_alternatives.json
 """
 
@@ -58,6 +59,7 @@ from _common import (  # noqa: E402
     GPT_TARGET as GPT,
     HUNGRY_TARGET as HUNGRY,
     add_device,
+    add_neighbour,
     add_json,
     add_threads,
     current_host_bytes,
@@ -66,6 +68,7 @@ from _common import (  # noqa: E402
     machine,
     machine_line,
     make_parser,
+    neighbour,
     markdown_table,
     peak_host_bytes,
     quiet,
@@ -373,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="optimizer steps of the trained runs of halving's and the search's plans (default 100)")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials of the autotune search (default: 6 with --quick, else 12)")
+    add_neighbour(parser)
     add_json(parser)
     args = parser.parse_args(argv)
     # Timed steps at most (a trial stops once its 95% interval is within +-3%) and warm-up steps at least of the
@@ -393,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     start = time.perf_counter()
     results: dict[str, Any] = {"machine": machine(args.device, threads=threads), "quick": args.quick, "cases": []}
-    with tempfile.TemporaryDirectory(prefix="autotune-vs-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="autotune-vs-") as tmp, neighbour(args.neighbour) as comings:
+        results["neighbour"] = comings
         for case in (c for c in CASES if c.name in args.cases):
             folder = Path(tmp) / case.name
             folder.mkdir()

@@ -1,12 +1,26 @@
 """The Trainer settings ``ElasticBatchSize`` refuses at setup, each with a one-line fix: strategies it does not run
-with, Lightning's own gradient accumulation, manual optimization."""
+with (DDP's static graph and communication hooks among them), Lightning's own gradient accumulation, manual
+optimization."""
 
 from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from autotune._compat.lightning import ddp_module_settings, ddp_strategy_settings
+
+_STATIC_GRAPH = (
+    "ElasticBatchSize does not support DDP's static_graph=True: it runs every micro-batch under no_sync and averages "
+    "the gradients itself after the ranks' vote, which a static graph's reducer does not allow. Use "
+    "DDPStrategy(static_graph=False) (the default), or remove the callback."
+)
+_COMM_HOOK = (
+    "ElasticBatchSize does not support the DDP communication hook {name}: it averages the gradients itself after the "
+    "ranks' vote, so the hook would never run. Remove ddp_comm_hook from DDPStrategy (and any register_comm_hook "
+    "call), or remove the callback to train with the hook."
+)
 
 
 def check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
@@ -19,6 +33,12 @@ def check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
             "Lightning's FSDPStrategy (FSDP1), DeepSpeed and XLA strategies are not supported; remove the callback or "
             "use one of these."
         )
+    if isinstance(strategy, DDPStrategy):
+        static, hook = ddp_strategy_settings(strategy)
+        if static:
+            raise MisconfigurationException(_STATIC_GRAPH)
+        if hook is not None:
+            raise MisconfigurationException(_COMM_HOOK.format(name=hook))
     if isinstance(strategy, ModelParallelStrategy):
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel != 1:
@@ -27,6 +47,20 @@ def check_strategy(trainer: Trainer, supported: tuple[type, ...]) -> None:
                 f"tensor_parallel_size is {tensor_parallel}. Use ModelParallelStrategy(data_parallel_size=N, "
                 "tensor_parallel_size=1), or remove the callback."
             )
+
+
+def check_ddp_model(model: object) -> None:
+    """At the training's start, once DDP wrapped the module: a static graph or a communication hook set on the module
+    itself (``model._set_static_graph()``, ``model.register_comm_hook(...)``) is refused as at setup."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    static, hook = ddp_module_settings(model)
+    if static:
+        raise MisconfigurationException(_STATIC_GRAPH)
+    if hook is not None:
+        raise MisconfigurationException(_COMM_HOOK.format(name=hook))
 
 
 def check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:

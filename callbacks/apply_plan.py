@@ -22,7 +22,13 @@ from autotune._compat.torch import set_activation_memory_budget, set_cuda_alloca
 from autotune._plan.plan import Plan
 from autotune._plan.provenance import Provenance
 from autotune._runtime.sync import fsdp_modules
-from autotune._transforms.blocks import checkpoint_blocks, compile_blocks, offload_activations, select_blocks
+from autotune._transforms.blocks import (
+    checkpoint_blocks,
+    compile_blocks,
+    offload_activations,
+    ops_only_blocks,
+    select_blocks,
+)
 from autotune._transforms.offload import INSTALL_HINT, OffloadedOptimizer, offload_optimizers
 from autotune._transforms.optim_state import INSTALL_HINT as TORCHAO_HINT, LowBitOptimizer, low_bit_optimizers
 from autotune._transforms.shard import shard_model
@@ -46,7 +52,10 @@ class ApplyPlan(Callback):
 
     Args:
         activation_checkpointing: fraction in [0, 1] of the model's repeated blocks to recompute in backward (found
-            automatically, as FSDP's transformer auto-wrap does), or the class names of the modules to recompute.
+            automatically, as FSDP's transformer auto-wrap does), the class names of the modules to recompute, or
+            ``"auto"`` with its chosen ``recompute`` levels (see :func:`autotune.choose_recompute`).
+        recompute: with ``activation_checkpointing="auto"``, what each repeated block recomputes: ``"none"``,
+            ``"ops"`` (its matrix products and attention saved, the rest recomputed) or ``"block"``.
         activation_offload: keep the tensors saved for backward on the host during training steps.
         optimizer_offload: run the optimizers from ``configure_optimizers`` with their state on the host and their
             update on the CPU (torchao's ``CPUOffloadOptimizer``, one CUDA GPU); LR schedulers keep working.
@@ -78,7 +87,8 @@ class ApplyPlan(Callback):
     def __init__(
         self,
         *,
-        activation_checkpointing: float | list[str] = 0.0,
+        activation_checkpointing: float | list[str] | str = 0.0,
+        recompute: list[str] | None = None,
         activation_offload: bool = False,
         optimizer_offload: bool = False,
         optimizer_state: str = "full",
@@ -92,7 +102,8 @@ class ApplyPlan(Callback):
         pin_memory: bool | None = None,
         provenance: dict[str, Any] | None = None,
     ) -> None:
-        settings = {"activation_checkpointing": activation_checkpointing, "activation_offload": activation_offload,
+        settings = {"activation_checkpointing": activation_checkpointing, "recompute": recompute,
+                    "activation_offload": activation_offload,
                     "optimizer_offload": optimizer_offload, "optimizer_state": optimizer_state, "compile": compile,
                     "compile_memory_budget": compile_memory_budget, "float8": float8,
                     "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload,
@@ -105,12 +116,22 @@ class ApplyPlan(Callback):
         self.sharded: list[torch.nn.Module] = []
         self.active = True  # False when a later ApplyPlan takes over
 
+    def describe(self) -> str:
+        """Its settings in words (the plan's, without the precision and micro-batch, which are not its own).
+
+        Example:
+            >>> ApplyPlan(activation_checkpointing=0.5).describe(), ApplyPlan().describe()
+            ('ckpt 0.5', 'no settings')
+        """
+        return ", ".join(self.plan.describe().split(", ")[2:]) or "no settings"
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         mine = [c for c in trainer.callbacks if isinstance(c, ApplyPlan)]
         self.active = not mine or mine[-1] is self
         if not self.active:  # a later one (a tuned file's, stacked after the user's config) takes over
-            rank_zero_info(f"ApplyPlan: {self.plan.describe()} is replaced by the later {mine[-1].plan.describe()}")
+            rank_zero_info(f"ApplyPlan: the later one in the callbacks ({mine[-1].describe()}) runs in place of this "
+                           f"one ({self.describe()}).")
             return
         plan = self.plan
         device = trainer.strategy.root_device
@@ -122,10 +143,12 @@ class ApplyPlan(Callback):
         if plan.float8:
             _to_float8(pl_module, device)
         if plan.activation_checkpointing:
-            self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing)
-            self._undo.append(checkpoint_blocks(self.checkpointed, model=pl_module))
+            self.checkpointed = select_blocks(pl_module, plan.activation_checkpointing, plan.recompute)
+            self._undo.append(checkpoint_blocks(
+                self.checkpointed, model=pl_module,
+                ops_only=ops_only_blocks(pl_module, plan.activation_checkpointing, plan.recompute)))
             own = [b for b in self.checkpointed if getattr(b, "gradient_checkpointing", False) is True]
-            if not self.checkpointed:
+            if not self.checkpointed and plan.activation_checkpointing != "auto":
                 rank_zero_warn(f"ApplyPlan: activation_checkpointing={plan.activation_checkpointing} found no repeated "
                                f"blocks in {type(pl_module).__name__}; nothing is checkpointed (name the classes to "
                                "checkpoint instead: activation_checkpointing: [ClassName, ...])")

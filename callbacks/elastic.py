@@ -15,14 +15,17 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from autotune._compat.lightning import BATCH_TRANSFER_HANDLER, batch_transfer_handler, logs_written_this_step
+from autotune._compat.lightning import (
+    AFTER_CLOSURE, BATCH_TRANSFER_HANDLER, batch_transfer_handler, clip_gradients, logs_written_this_step,
+)
 from autotune._compat.torch import is_batch_norm
 from autotune._device.budget import Budget, ResolvedBudget, format_bytes, resolve_budget
+from autotune._runtime.checkpoint import gathered, own
 from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine
 from autotune._runtime.policy import Memory, MicroBatchPolicy
 from autotune._device.probe import probe_memory
-from autotune.callbacks._checks import check_strategy, check_trainer
+from autotune.callbacks._checks import check_ddp_model, check_strategy, check_trainer
 
 log = logging.getLogger("autotune")
 
@@ -133,6 +136,7 @@ class ElasticBatchSize(Callback):
         self._restore: list[tuple[Any, str, bool, Any]] = []
         self._fraction_set_on: torch.device | None = None
         self._fraction_before = 1.0
+        self._rank_and_world = (0, 1)
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -168,11 +172,28 @@ class ElasticBatchSize(Callback):
                 grow_after=settings[4], protect_update=settings[5]))
         return self._state_key[1]
 
+    def describe(self) -> str:
+        """Its settings in words, e.g. ``budget 2GiB, micro-batch 16, no growing``.
+
+        Example:
+            >>> ElasticBatchSize(micro_batch_size=8, grow_after=10).describe()
+            'no budget, micro-batch 8, growing after 10 clean steps'
+        """
+        parts = [f"budget {self.budget}" if self.budget is not None else "no budget",
+                 f"micro-batch {self._start_micro_batch_size}" if self._start_micro_batch_size else "the whole batch",
+                 f"growing after {self.grow_after} clean steps" if self.grow else "no growing"]
+        if self.min_micro_batch_size != 1:
+            parts.append(f"at least {self.min_micro_batch_size}")
+        if not self.protect_update:
+            parts.append("updates unprotected")
+        return ", ".join(parts)
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         mine = [c for c in trainer.callbacks if isinstance(c, ElasticBatchSize)]
         if mine and mine[-1] is not self:  # a later one (a tuned file's, stacked after the user's config) takes over
-            rank_zero_info(f"ElasticBatchSize: {self.state_key} is replaced by the later {mine[-1].state_key}")
+            rank_zero_info(f"ElasticBatchSize: the later one in the callbacks ({mine[-1].describe()}) runs in place "
+                           f"of this one ({self.describe()}).")
             return
         check_strategy(trainer, self.SUPPORTED_STRATEGIES)
         if stage == "fit":
@@ -206,8 +227,9 @@ class ElasticBatchSize(Callback):
             collectives=any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()),
         )
         self.engine.logs.owner = pl_module
+        self._rank_and_world = (trainer.global_rank, trainer.world_size)
         if self._pending_state is not None:
-            self.engine.load_state_dict(self._pending_state)
+            self.engine.load_state_dict(own(self._pending_state, rank=trainer.global_rank, world=trainer.world_size))
             self._pending_state = None
         self._install(trainer, pl_module)
 
@@ -276,6 +298,19 @@ class ElasticBatchSize(Callback):
                 global_step=trainer.global_step,
             )
 
+        plugin = trainer.precision_plugin
+        original_after = getattr(plugin, AFTER_CLOSURE, None)
+        if original_after is not None:
+            @functools.wraps(original_after)
+            def after_closure(model: Any, optimizer: Any) -> None:
+                # on_before_optimizer_step once per step: not again on a replay after an OOM in the update (its
+                # hooks ran on the failed attempt); the replay's own gradients are clipped all the same.
+                if engine.hooks_due():
+                    original_after(model, optimizer)
+                else:
+                    clip_gradients(plugin, model, optimizer)
+
+            self._patch(plugin, AFTER_CLOSURE, after_closure)
         self._patch(pl_module, "log", engine.logs)
         self._patch(pl_module, BATCH_TRANSFER_HANDLER, transfer)
         self._patch(pl_module, "training_step", training_step)
@@ -297,6 +332,11 @@ class ElasticBatchSize(Callback):
         if self._fraction_set_on is not None:
             torch.cuda.set_per_process_memory_fraction(self._fraction_before, self._fraction_set_on)
             self._fraction_set_on = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.engine is not None:  # DDP wrapped the module; a hook registered on it in on_fit_start is there
+            check_ddp_model(trainer.strategy.model)
 
     # -------------------------------------------------------------------------------------------- per batch
     @override
@@ -339,14 +379,15 @@ class ElasticBatchSize(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.engine is not None:
-            return self.engine.state_dict()
-        return dict(self._pending_state or {})
+        """Every rank's own state (its micro-batch, shape model, events), so that each resumes with its own."""
+        if self.engine is None:
+            return dict(self._pending_state or {})
+        return gathered(self.engine.state_dict(), several=self.engine.agree.enabled)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.engine is not None:
-            self.engine.load_state_dict(state_dict)
+            self.engine.load_state_dict(own(state_dict, rank=self._rank_and_world[0], world=self._rank_and_world[1]))
         else:
             self._pending_state = dict(state_dict)
 

@@ -269,7 +269,11 @@ CONTRACT = "tests/runtime/test_lightning_contract.py::"
 SHAPES = "tests/runtime/test_shapes.py::"
 DIFFER = "tests/runtime/test_ranks_differ.py::"
 POLICY = "tests/runtime/test_policy.py::"
+RECOMPUTE = "tests/estimate/test_recompute.py::"
 ENGINE = "ElasticEngine.run_training_step"
+TARGET_FAILURE = "tests/search/test_target_failure.py::"
+CLI_ONE_LINE = ("tests/callbacks/test_lightning_cli.py::"
+                "test_a_cut_tuned_file_a_setup_check_and_a_misspelt_key_are_one_line_under_lightning_cli")
 MUTATIONS = (
     Mutation("update-snapshot-restored", "an OOM in an update that creates state replays exactly",
              RUNTIME + "microbatch.py", ENGINE, Skip("update.snapshot.restore"),
@@ -322,6 +326,19 @@ MUTATIONS = (
     Mutation("counts-agree-after-collectives", "ranks whose model makes collectives run equal counts",
              RUNTIME + "microbatch.py", "ElasticEngine._vote", FalseTest("verdict.collectives"),
              (DIFFER + "test_ranks_that_differ_end_exact[4]",)),
+    Mutation("equal-sizes-where-counts-agree", "ranks that run equal counts run equal sizes (a collective that "
+             "follows the micro-batch agrees)", RUNTIME + "microbatch.py", "ElasticEngine._agreed_split",
+             Assign("even", "False"),
+             (DIFFER + "test_a_collective_that_follows_the_micro_batch_meets_equal_sizes_on_every_rank",)),
+    Mutation("ddp-static-graph-and-comm-hook-refused", "a DDP module's static graph or communication hook is refused, "
+             "not bypassed", "callbacks/_checks.py", "check_ddp_model", Returns("", "None"),
+             ("tests/runtime/test_ddp_settings.py::test_a_ddp_setting_the_runtime_cannot_honour_is_refused_naming_the_fix",)),
+    Mutation("hooks-once-per-step", "on_before_optimizer_step runs once per step, not again on a replay after an OOM "
+             "in the update", RUNTIME + "microbatch.py", "ElasticEngine.hooks_due", Returns("", "True"),
+             (ELASTIC + "test_hooks_and_clipping_run_once_per_step_after_an_oom_in_the_first_update",)),
+    Mutation("per-rank-state-in-checkpoint", "every rank resumes with its own micro-batch and shape model",
+             RUNTIME + "checkpoint.py", "own", Prepend("return {}"),
+             ("tests/runtime/test_state_restored.py::test_every_rank_resumes_with_its_own_state",)),
     Mutation("vote-after-an-oom-before-the-closure", "an OOM in an optimizer pre-hook meets its peers in the vote",
              RUNTIME + "microbatch.py", "ElasticEngine._failure_of", Calls("self._vote", "self._local(failure)"),
              (DIFFER + "test_ranks_that_differ_end_exact[7]",)),
@@ -380,22 +397,30 @@ MUTATIONS = (
              RUNTIME + "microbatch.py", ENGINE, Skip("release_host_memory"),
              (ELASTIC + "test_a_cpu_soft_budget_overshoot_shrinks_once_not_down_to_the_minimum",)),
     Mutation("search-edge-is-a-cost", "a plan whose peak's noise reaches the budget is ranked by its expected speed",
-             "autotune/_search/choose.py", "figures", Keyword("overflow_chance", "0.0"),
+             "autotune/_search/figures.py", "figures", Keyword("overflow_chance", "0.0"),
              ("tests/search/test_edge.py::test_the_edge_is_a_cost_that_a_safer_plan_can_beat",)),
     Mutation("search-over-the-budget-does-not-fit", "a plan with a run whose every step was over does not fit",
-             "autotune/_search/choose.py", "figures", Calls("over_budget_by", "0"),
+             "autotune/_search/figures.py", "figures", Calls("over_budget_by", "0"),
              ("tests/search/test_edge.py::test_a_plan_whose_every_step_was_over_the_budget_overflows_often_and_does_"
               "not_fit", "tests/search/test_choice.py::test_a_plan_over_the_budget_in_a_second_run_is_not_chosen")),
-    Mutation("search-simplest-among-equals", "of plans measured as fast as the best, the one doing least work is chosen",
-             "autotune/_search/choose.py", "choose", Calls("simplest", "ranked[0]"),
-             ("tests/search/test_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
-              "within_noise",)),
-    Mutation("search-simpler-plan-measured-again", "a leader that adds work is measured again with a simpler plan",
-             "autotune/_search/choose.py", "choose", Skip("contenders.append"),
-             ("tests/search/test_simplest.py::test_a_plan_that_adds_work_is_chosen_only_when_faster_beyond_two_runs_"
-              "noise",)),
-    Mutation("search-stopped-simpler-plan-measured-in-full", "a trial stopped early on a busy host is measured in full",
-             "autotune/_search/choose.py", "_reopened", Returns("out", "[]"),
+    Mutation("search-paired-verdict", "the leader is replaced by a rival only as its paired comparison says",
+             "autotune/_search/choose.py", "choose", Assign("champion", "lead.trial"),
+             ("tests/search/test_paired.py::test_a_neighbour_coming_and_going_does_not_decide_the_choice",
+              "tests/search/test_choice.py::test_a_contender_within_reach_is_compared_in_pairs_and_its_ratio_"
+              "decides")),
+    Mutation("search-paired-rounds-alternate", "a paired round runs its two plans in alternating order",
+             "autotune/_search/paired.py", "paired_rounds", Assign("order", "((0, run_a), (1, run_b))"),
+             ("tests/search/test_paired.py::test_a_round_runs_both_plans_back_to_back_in_alternating_order_and_"
+              "stops_once_clear",)),
+    Mutation("search-paired-reruns-unlike-loads", "a round whose runs met unlike loads is run again",
+             "autotune/_search/paired.py", "paired_rounds", Calls("load_differs", "False"),
+             ("tests/search/test_paired.py::test_a_round_whose_two_runs_met_unlike_loads_is_run_again",)),
+    Mutation("search-work-wins-only-when-faster", "a plan that adds work replaces a simpler one only when faster "
+             "beyond noise", "autotune/_search/choose.py", "_verdict", Calls("ratio.slower", "ratio.ratio < 1"),
+             ("tests/search/test_paired.py::test_a_plan_that_adds_work_wins_only_when_its_paired_ratio_says_it_is_"
+              "faster",)),
+    Mutation("search-stopped-simpler-plan-compared", "a trial stopped early on a busy host is compared in pairs",
+             "autotune/_search/choose.py", "_stopped_early", Returns("out", "[]"),
              ("tests/search/test_simplest.py::test_the_issue_s_busy_host_chooses_the_plain_plan_over_checkpointing_"
               "within_noise",
               "tests/search/test_simplest.py::test_a_stopped_plan_clear_of_the_leader_and_no_simpler_is_not_measured_"
@@ -410,17 +435,66 @@ MUTATIONS = (
     Mutation("search-walks-halving-s-ladder", "where halving finds a micro-batch that fits, the search finds a plan",
              "autotune/_search/search.py", "_run_trials", Skip("walk_ladder"),
              ("tests/search/test_halving.py::test_a_search_whose_trials_all_run_out_finds_the_plan_halving_finds",)),
-    Mutation("search-workers-skip-a-peer-s-measurement", "a contender a peer worker measured this round is not "
-             "measured again", "autotune/_search/choose.py", "_measured_this_round", Returns("", "False"),
+    Mutation("search-first-trials-cover-each-precision", "the first trials measure each precision's predicted best",
+             "autotune/_search/confirm.py", "predicted_best_first", Assign("ordered", "guided[:1] + seeds + guided[1:]"),
+             ("tests/search/test_model_learns.py::test_the_first_trials_measure_each_precision_s_predicted_best_after_"
+              "the_predicted_best",)),
+    Mutation("search-model-corrected-by-setting", "the model's error by setting is fitted from the study's trials",
+             "autotune/_search/residuals.py", "Corrections.factor", Returns("", "1.0"),
+             ("tests/search/test_model_learns.py::test_corrections_follow_the_setting_the_model_misprices_and_leave_"
+              "the_rest",)),
+    Mutation("search-contradicted-model-re-ranks", "queued first trials are re-ranked once the model is contradicted",
+             "autotune/_search/confirm.py", "contradiction", Returns("", "None"),
+             ("tests/search/test_model_learns.py::test_a_contradicted_model_s_queued_first_trials_are_re_ranked_by_"
+              "what_the_trials_taught_it",)),
+    Mutation("search-contradiction-covers-each-precision", "points queued after a contradiction cover each precision",
+             "autotune/_search/search.py", "_unmeasured", Assign("covering", "[]"),
+             ("tests/search/test_model_learns.py::test_points_queued_after_a_contradiction_cover_each_precision_"
+              "before_the_overall_ranking",)),
+    Mutation("search-requeued-point-keeps-going", "a point queued once the model was contradicted keeps the search on",
+             "autotune/_search/confirm.py", "StopWhenConfirmed.__call__", FalseTest("GUIDED"),
+             ("tests/search/test_confirm.py::test_a_point_queued_once_the_model_was_contradicted_keeps_the_search_"
+              "going",)),
+    Mutation("search-contradiction-keeps-the-trial-count", "a contradiction queues no more than the trials left",
+             "autotune/_search/confirm.py", "FollowWhatIsMeasured.__call__", FalseTest("self.room"),
+             ("tests/search/test_model_learns.py::test_a_contradiction_with_nothing_queued_queues_no_more_than_the_"
+              "trials_left",)),
+    Mutation("search-unmeasured-precision-keeps-going", "a queued trial of an unmeasured precision keeps the search on",
+             "autotune/_search/confirm.py", "StopWhenConfirmed.__call__", Assign("precisions", "{None, 'bf16-mixed'}"),
+             ("tests/search/test_confirm.py::test_a_queued_trial_of_a_precision_no_trial_measured_keeps_the_search_"
+              "going",)),
+    Mutation("load-counts-the-run-s-own-tree", "a run's own processes' CPU is its own, others' its neighbours'",
+             "autotune/_device/load.py", "_own_cpu_seconds", Assign("procs", "[parent]"),
+             ("tests/device/test_load.py::test_a_spinning_child_is_this_run_s_own_work_and_another_process_a_"
+              "neighbour",)),
+    Mutation("trials-wait-passively", "the trial server starts with OpenMP waiting passively",
+             "autotune/_search/trial.py", "_passive_wait", Assign("os.environ['OMP_WAIT_POLICY']", "'ACTIVE'"),
+             ("tests/search/test_paired.py::test_the_trial_server_starts_with_passive_waiting_unless_the_user_set_a_"
+              "policy",)),
+    Mutation("search-fits-by-a-run-s-peak", "a plan fits when its run's projected peak does, not its trial's",
+             "autotune/_search/figures.py", "run_peak",
+             Returns("", "(int(run.get('peak_bytes') or 0), run.get('peak_noise_bytes'))"),
+             ("tests/search/test_growth.py::test_a_plan_whose_trial_fits_but_whose_run_would_not_does_not_fit_and_"
+              "halving_goes_on",)),
+    Mutation("run-peak-carries-the-creep", "a trial's creeping step peaks are carried to a run's length",
+             "autotune/_search/growth.py", "run_peak_of", Assign("projected", "top + offset"),
+             ("tests/search/test_growth.py::test_a_trial_whose_steps_creep_is_projected_over_the_run_not_held_at_its_"
+              "own_peak",)),
+    Mutation("cpu-baseline-grows-with-the-micro-batch", "shapes not measured take the default shape's baseline line",
+             "autotune/_search/memory.py", "SearchEstimator._baseline_at", Assign("default", "None"),
+             ("tests/estimate/test_process_peak.py::test_the_cpu_process_peak_of_plans_not_measured_is_within_10_"
+              "percent_of_a_trial_s",)),
+    Mutation("search-workers-skip-a-peer-s-comparison", "a comparison a peer worker stored ends this worker's",
+             "autotune/_search/paired.py", "compare", Calls("stored_ratio", "None"),
              ("tests/search/test_choice.py::test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_"
-              "them",)),
+              "them", "tests/search/test_paired.py::test_a_stored_comparison_is_reused_by_a_rerun_or_another_worker")),
     Mutation("search-workers-keep-each-other-s-runs", "workers choosing at once keep each other's re-measurements",
-             "autotune/_search/choose.py", "add_remeasured",
+             "autotune/_search/figures.py", "add_remeasured",
              Calls("study.set_user_attr", "study.set_user_attr(f'{REMEASURED}:{trial}:0', run)"),
              ("tests/search/test_choice.py::test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_"
               "them",)),
     Mutation("search-edge-leader-measured-again", "a leader measured once on the budget's edge is measured again",
-             "autotune/_search/choose.py", "choose", Assign("edge", "False"),
+             "autotune/_search/choose.py", "choose", Skip("add_remeasured"),
              ("tests/search/test_choice.py::test_a_leader_on_the_budget_s_edge_is_measured_again_and_dropped_if_a_run_"
               "is_over",)),
     Mutation("oneDNN-conv-buffers-measured", "a CPU estimate counts the buffers oneDNN convolutions hold (ConvNeXt)",
@@ -540,6 +614,53 @@ MUTATIONS = (
              "autotune/_search/confirm.py", "StopWhenConfirmed.__call__", Assign("margin", "1"),
              ("tests/search/test_confirm.py::"
               "test_the_search_stops_once_no_unmeasured_plan_can_beat_the_best_by_the_models_error",)),
+    Mutation("target-failure-stops-the-estimator", "the target's own code failing in the estimator's read or trace "
+             "stops the search", "autotune/_search/memory.py", "SearchEstimator._call", FalseTest("failure"),
+             (TARGET_FAILURE + "test_the_estimator_stops_on_the_targets_failure_and_notes_one_plans_alone",)),
+    Mutation("plain-step-decides-a-plans-failure", "a failure of one plan's trace alone is a note, not a stop",
+             "autotune/_search/memory.py", "SearchEstimator._target_failure", Skip("self.tensors"),
+             (TARGET_FAILURE + "test_the_estimator_stops_on_the_targets_failure_and_notes_one_plans_alone",)),
+    Mutation("short-first-run-stops-on-target-code", "the CPU short first run failing in the target's code stops the "
+             "search", "autotune/_search/memory.py", "SearchEstimator.measure_baseline", FalseTest("target_error"),
+             (TARGET_FAILURE + "test_a_failure_the_estimator_cannot_see_is_caught_by_the_short_first_run",)),
+    Mutation("same-failure-in-two-plans-stops", "two plans' trials failing at one line of the target's code stop the "
+             "search", "autotune/_search/stopping.py", "StopOnFailures.__call__", FalseTest("last"),
+             (TARGET_FAILURE + "test_a_failure_the_first_run_does_not_reach_stops_after_two_plans_fail_alike_and_"
+                               "resumes_after_the_fix",)),
+    Mutation("tuned-file-whole-or-refused", "a tuned file missing a key is refused", "autotune/_plan/tuned.py",
+             "_collect_fields", Calls("missing_keys", "[]"),
+             ("tests/plan/test_plan.py::test_a_tuned_file_missing_any_key_is_refused_in_one_line_naming_it",
+              "tests/plan/test_plan.py::test_a_tuned_file_cut_short_anywhere_is_refused")),
+    Mutation("tuned-plan-does-not-grow", "a tuned plan trains at its measured micro-batch", "autotune/_plan/plan.py",
+             "Plan.elastic_kwargs", Returns("budget", "{'budget': self.budget, 'micro_batch_size': "
+                                                      "self.micro_batch_size, 'micro_batch_sample_size': "
+                                                      "self.micro_batch_sample_size, 'grow': True}"),
+             ("tests/plan/test_plan.py::test_a_tuned_plan_trains_at_its_measured_micro_batch_unless_the_file_says_grow",)),
+    Mutation("cut-tuned-file-refused-under-lightning-cli", "a tuned file that parses but is not whole is refused under "
+             "LightningCLI", "callbacks/_lightning_cli.py", "_checked_instantiation.instantiate",
+             FalseTest("problems"), (CLI_ONE_LINE,)),
+    Mutation("setup-checks-one-line-under-lightning-cli", "our callbacks' setup checks are one line under LightningCLI",
+             "callbacks/_lightning_cli.py", "_excepthook.excepthook", FalseTest("_our_check"), (CLI_ONE_LINE,)),
+    Mutation("argparse-errors-one-line", "a bad argument is one line, not argparse's usage", "autotune/_cli/main.py",
+             "_Parser.error", Prepend("super().error(message)"),
+             ("tests/cli/test_cli.py::test_an_argument_argparse_refuses_is_one_line_with_what_is_accepted",)),
+    Mutation("recompute-ops-saves-products", "an 'ops' block saves its matrix products: its peak is what the estimate "
+             "of the choice says", TRANSFORMS + "recompute.py", "save_products",
+             Returns("", "CheckpointPolicy.PREFER_RECOMPUTE"),
+             (RECOMPUTE + "test_the_choice_fits_the_budget_and_its_estimate_on_cpu_and_is_minimal",)),
+    Mutation("recompute-choice-pruned", "the auto choice is minimal: no block recomputes more than the budget needs",
+             "autotune/_estimate/recompute.py", "_pruned", Returns("", "levels"),
+             (RECOMPUTE + "test_pruning_takes_down_what_the_greedy_took_needlessly_dearest_first",)),
+    Mutation("recompute-attention-dropout-recomputed", "attention with dropout recomputes under 'ops', so the random "
+             "state stays in order: weights equal no checkpointing", TRANSFORMS + "recompute.py", "save_products",
+             FalseTest("_dropout"),
+             (RECOMPUTE + "test_the_ops_policy_saves_products_and_attention_without_dropout_and_recomputes_the_rest",)),
+    Mutation("search-keeps-the-auto-choice", "a search's trial of an auto point records what it chose, which "
+             "the tuned file writes", "autotune/_search/objective.py", "Objective._run", Assign("chosen", "None"),
+             (RECOMPUTE + "test_a_search_runs_what_auto_chose_and_writes_it",)),
+    Mutation("first-run-without-third-party-noise", "the README's first run prints no tip or deprecation warning",
+             "autotune/_compat/lightning.py", "quiet_third_party_notices", Returns("", "None"),
+             ("tests/e2e/test_docs.py::test_doc_commands_run[README.md]",)),
 )
 
 

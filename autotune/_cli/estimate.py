@@ -28,6 +28,10 @@ def build_estimate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", nargs="+", action="extend", default=[], metavar="P",
                         help="precisions to estimate, each with and without checkpointing, and with --world-size N > 1 "
                         "each replicated (ddp) and sharded (fsdp) (default without --plan: 32-true and bf16-mixed)")
+    parser.add_argument("--auto-checkpointing", action="store_true",
+                        help="also a row per precision with activation_checkpointing: auto (what each block recomputes "
+                        "chosen for the row's micro-batch and the budget; each block's memory saved and time paid "
+                        "are printed)")
     parser.add_argument("--optimizer-state", nargs="+", action="extend", default=[], metavar="S",
                         help="optimizer states of the default rows: full, 8bit, 4bit (default: full)")
     parser.add_argument("--micro-batch-size", default=None, metavar="N",
@@ -83,12 +87,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     from autotune._device.budget import resolve_budget
     from autotune._estimate.estimate import default_plans, estimate_device, estimate_target
     from autotune._plan.plan import load_plan
+    from autotune._target.failure import target_code
     from autotune._target.target import load_target
 
     plans = [load_plan(path) for path in args.plan]
     if args.precision or args.optimizer_state or not plans:
         plans += default_plans(precisions=args.precision or None, world_size=world or 1,
                                optimizer_states=args.optimizer_state or ("full",))
+    if args.auto_checkpointing:
+        plans += [p.replace(activation_checkpointing="auto") for p in plans if p.activation_checkpointing == 1.0]
     resolved, what_if = estimate_device(device)
     resolved_budget = resolve_budget(budget, resolved, what_if=what_if, device_memory=memory)  # text -> bytes, once
     if resolved.type == "cpu" and most is None:  # the baseline's short run: its server imports while the target loads
@@ -97,8 +104,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         start_trial_server()
     target = load_target(args.target, config=args.config)
     if most is not None:
-        return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
-                             usable=resolved_budget.budget_bytes, most=most, seq_len=seq_len)
+        with target_code(target.spec, traced=True):
+            return _run_capacity(args, target=target, device=resolved, what_if=what_if, memory=memory,
+                                 usable=resolved_budget.budget_bytes, most=most, seq_len=seq_len)
     baseline, measured = 0, False
     if resolved.type == "cpu":  # the budget is the process's memory: add what a training process holds
         from autotune._search.memory import SearchEstimator
@@ -106,15 +114,19 @@ def run_estimate(args: argparse.Namespace) -> int:
         estimator = SearchEstimator(target=target, device=resolved, trace=args.trace,
                                     unestimated="the process baseline is not measured (this process's memory stands "
                                     "in for it)")
-        estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None)
-        baseline, measured = estimator.baseline, estimator.calibrated
+        estimator.measure_baseline(target=args.target or args.config, config=args.config if args.target else None,
+                                   budget_bytes=resolved_budget.budget_bytes)
+        measured = estimator.calibrated
+        # the process grows with the micro-batch: each row's at its own (the two short runs draw the line)
+        baseline = estimator.baseline_for if measured else estimator.baseline
     if device_speed is None and not what_if:  # this machine's device, measured once
         from autotune._estimate.local_speed import local_device_speed
 
         device_speed = local_device_speed(resolved)
-    rows = estimate_target(target=target, plans=plans, budget=resolved_budget, device=device,
-                           micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len,
-                           trace=args.trace, device_speed=device_speed)
+    with target_code(target.spec, traced=True):  # its own code failing: where, in a few lines
+        rows = estimate_target(target=target, plans=plans, budget=resolved_budget, device=device,
+                               micro_batch_size=micro, world_size=world, baseline_bytes=baseline, seq_len=seq_len,
+                               trace=args.trace, device_speed=device_speed)
     if measured:  # on CPU, a row within the estimate's error of the budget is settled by a short run of it
         spec = {"target": args.target or args.config, "config": args.config if args.target else None}
         rows = [_settled(row, **spec) if abs(row.peak_bytes - row.budget_bytes) <= SETTLE_BAND * row.budget_bytes
@@ -226,12 +238,18 @@ def format_estimate_table(rows: Sequence[Any], *, baseline_measured: bool = True
             notes[f"*: {label} is predicted within {SETTLE_BAND:.0%} of the budget, so a short run settled it: "
                   f"measured peak {format_bytes(row.measured_peak_bytes)}"] = None
     if first.baseline_bytes and baseline_measured:
-        notes[f"the peaks include the process baseline measured here, {format_bytes(first.baseline_bytes)} (a short "
-              "training run's peak less its tensors): on CPU the budget is the process's resident set net of file "
-              "pages, as for a search's trials"] = None
+        low, high = (f(row.baseline_bytes for row in rows) for f in (min, max))
+        span = format_bytes(low) if low == high else f"{format_bytes(low)} to {format_bytes(high)} by micro-batch"
+        notes[f"the peaks include the process baseline measured here, {span} (short training runs' peaks less their "
+              "tensors, at micro-batch 1 and at a larger one: the process grows with the micro-batch): on CPU the "
+              "budget is the process's resident set net of file pages, as for a search's trials"] = None
     elif first.baseline_bytes:
         notes[f"the peaks include this process's memory now, {format_bytes(first.baseline_bytes)}, in place of the "
               "process baseline, which could not be measured (the short training run or its estimate failed): on CPU "
               "the budget is the process's resident set net of file pages"] = None
     notes.update(dict.fromkeys(speed_notes))
+    for row in rows:
+        if row.recompute is not None:
+            lines.append(f"{row.estimate.plan.describe()}: recompute chosen per block")
+            lines += [f"  {line}" for line in row.recompute.describe()]
     return "\n".join([header, *lines, *(f"note: {note}" for note in notes)])

@@ -8,7 +8,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from autotune._version import __version__
 from autotune._cli import estimate as _cli_estimate
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["probe", "--json"]).json
         True
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=_PROG, description="Memory-elastic auto-tuning for PyTorch Lightning: probe, estimate and search."
     )
     parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
@@ -153,9 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        The exit code: 0 on success, 2 on a usage error (bad arguments, no subcommand, or a ``ValueError``
-        raised for a bad value, shown as ``autotune: error: <message>`` on stderr without a traceback), 130 on
-        Ctrl-C (one line).
+        The exit code: 0 on success, 2 on a usage error (bad arguments, no subcommand, a ``ValueError`` raised for a
+        bad value or a setting Lightning refuses (``MisconfigurationException``), shown as ``autotune: error:
+        <message>`` on stderr in one line without a traceback; the target's own code failing: a few lines naming the
+        exception and the user's frames), 130 on Ctrl-C (one line).
 
     Example:
         >>> main(["probe", "--device", "cpu", "--json"])  # doctest: +SKIP
@@ -171,14 +172,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_USAGE
     try:
         return args.action(args)
-    except ValueError as exc:
-        message = " ".join(str(exc).split())  # one line, whatever the message holds
-        print(f"{_PROG}: error: {message}", file=sys.stderr)
+    except Exception as exc:
+        if not isinstance(exc, ValueError) and not _is_configuration_error(exc):
+            raise  # our bug: its traceback
+        # one line, whatever the message holds; the target's own failure: its lines (what failed, the user's frames)
+        lines = getattr(exc, "lines", None) or [" ".join(str(exc).split())]
+        print("\n".join([f"{_PROG}: error: {lines[0]}", *lines[1:]]), file=sys.stderr)
         return _EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{_PROG}: interrupted" + (_interrupted_search(args) if args.command == "search" else ""),
               file=sys.stderr)
         return _EXIT_INTERRUPTED
+
+
+def _is_configuration_error(exc: BaseException) -> bool:
+    """Lightning's ``MisconfigurationException`` (a setting Lightning refuses: the user's, as a ``ValueError`` is),
+    told without importing Lightning."""
+    module = sys.modules.get("lightning.fabric.utilities.exceptions")
+    return module is not None and isinstance(exc, module.MisconfigurationException)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line: the bad value with what is accepted, and where to read the rest
+    (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_USAGE, f"{_PROG}: error: {message}; see {self.prog} --help\n")
 
 
 def _attach_dash_values(argv: Sequence[str]) -> list[str]:

@@ -70,9 +70,10 @@ def run_search(args: argparse.Namespace) -> int:
     chose = f"{figure.describe()}, 95% interval [{figure.low:.1f}, {figure.high:.1f}]" if figure else \
         f"{prov.samples_per_second:.1f}/s"
     print(f"  {chose}, peak {peak} of budget {prov.budget}")
-    from autotune._search.report import chosen_lines
+    from autotune._search.report import chosen_lines, micro_batch_lines
 
-    for line in chosen_lines(result.study.user_attrs.get("chosen") or {}):
+    choice = result.study.user_attrs.get("chosen") or {}
+    for line in chosen_lines(choice) + micro_batch_lines(result.study, choice):
         print(line)
     print(f"wrote {args.out}: python train.py fit --config your_config.yaml --config {args.out}")
     return _EXIT_OK

@@ -130,5 +130,6 @@ def run_suggest(args: argparse.Namespace) -> int:
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:<{widths[3]}}  {e:>{widths[4]}}".rstrip()
              for a, b, c, d, e in table]
     print("\n".join([head, *lines, f"wrote {args.out}: {result.ranked[0].plan.describe()} (predicted, not measured: "
-                     "`autotune search` measures)", *(f"note: {n}" for n in result.notes)]))
+                     "`autotune search` measures)", f"how sure: {result.sureness}",
+                     *(f"note: {n}" for n in result.notes)]))
     return 0

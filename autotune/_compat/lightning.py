@@ -121,3 +121,80 @@ def set_module_device_dtype(module: Any, device: Any, dtype: Any) -> None:
     if isinstance(module, _DeviceDtypeModuleMixin):
         module._device = device
         module._dtype = dtype or module._dtype
+
+
+def quiet_third_party_notices() -> None:
+    """Drop two messages every Lightning run prints that are neither Lightning's account of the run nor anything a user
+    of autotune can act on (idempotent; called when ``autotune.callbacks`` is imported):
+
+    - Lightning 2.6's advertisement for its cloud logger (``"💡 Tip: For seamless cloud logging ... litlogger"``), logged
+      at every Trainer's creation, even with ``logger=False``: a filter on its logger drops records starting so.
+    - torch 2.13's ``FutureWarning`` that ``isinstance(treespec, LeafSpec)`` is deprecated, raised at every fit from
+      Lightning's own ``utilities/_pytree.py`` (its ``CombinedLoader``), not from the user's code or ours: ignored for
+      that module only. If either changes its wording, the message shows again, nothing else changes.
+    """
+    import logging
+    import warnings
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _TipFilter) for f in logger.filters):
+        logger.addFilter(_TipFilter())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                            module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+class _TipFilter:
+    """Drops Lightning's promotional tips (``"💡 Tip: ..."``); keeps every other record."""
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def subcommand_parsers(parser: Any) -> dict[str, Any]:
+    """The subcommands' parsers of a jsonargparse parser (LightningCLI's ``fit``, ``validate``, ...), by name:
+    ``parser._subcommands_action._name_parser_map``, jsonargparse's (4.x) private record of them. If it went away,
+    a config's misspelt top-level key would be named against the root parser's keys only."""
+    return dict(getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", None) or {})
+
+
+def ddp_strategy_settings(strategy: Any) -> tuple[bool, str | None]:
+    """Whether a ``DDPStrategy`` asks for a static graph, and the name of the communication hook it registers (None:
+    none): ``strategy._ddp_kwargs`` and ``strategy._ddp_comm_hook``, Lightning's private record of its arguments. If
+    they went away, the DDP module itself is still checked at the fit's start (:func:`ddp_module_settings`)."""
+    kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
+    hook = getattr(strategy, "_ddp_comm_hook", None)
+    return bool(kwargs.get("static_graph", False)), None if hook is None else _hook_name(hook)
+
+
+def ddp_module_settings(model: Any) -> tuple[bool, str | None]:
+    """Whether a ``DistributedDataParallel`` module runs a static graph, and the name of a communication hook
+    registered on it (None: none): ``model.static_graph``, ``model._comm_hooks`` (Python hooks) and the DDP logger's
+    ``comm_hook`` (built-in C++ hooks too). If these went away, a hook registered on the module itself would go
+    unseen (one given to ``DDPStrategy`` is still refused at setup)."""
+    hooks = getattr(model, "_comm_hooks", None) or []
+    name = _hook_name(hooks[0][0]) if hooks else None
+    if name is None:
+        try:
+            name = model._get_ddp_logging_data().get("comm_hook") or None
+        except (AttributeError, RuntimeError):
+            name = None
+    return bool(getattr(model, "static_graph", False)), name
+
+
+def _hook_name(hook: Any) -> str:
+    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
+
+
+#: The precision plugin's method that runs after each closure evaluation inside ``optimizer.step``: the
+#: ``on_before_optimizer_step`` hooks (callbacks', the module's), then gradient clipping (``_clip_gradients``, which
+#: calls ``configure_gradient_clipping``). ``ElasticBatchSize`` replaces it on the plugin for the fit so a step replayed
+#: after an OOM in its update runs the hooks once. If it were renamed, the patch would change nothing and the hooks
+#: would run again on such a replay (as before).
+AFTER_CLOSURE = "_after_closure"
+
+
+def clip_gradients(plugin: Any, model: Any, optimizer: Any) -> None:
+    """The plugin's gradient clipping with the trainer's settings (``plugin._clip_gradients``), without the hooks."""
+    trainer = model.trainer
+    plugin._clip_gradients(model, optimizer, trainer.gradient_clip_val,
+                           gradient_clip_algorithm=trainer.gradient_clip_algorithm)

@@ -1,5 +1,5 @@
 """Private Optuna API that autotune uses, each access with what breaks if it changes: a study's storage, a trial's
-storage id and enqueued parameters, a journal file's path."""
+storage id and enqueued parameters, a journal file's path, failing a queued trial."""
 
 from __future__ import annotations
 
@@ -32,3 +32,16 @@ def journal_file_path(storage: Any) -> str | None:
     None. If either changed, workers seeding one study through a journal file would not take the shared lock, and
     could enqueue the same seed trials twice."""
     return getattr(getattr(storage, "_backend", None), "_file_path", None)
+
+
+def fail_waiting(study: Any, trial: Any, attrs: dict[str, Any]) -> None:
+    """Fail a waiting (queued, never run) trial with ``attrs`` as its user attributes: Optuna has no public call to
+    take a trial off the queue, so this goes to the study's storage (``Study._storage``,
+    ``FrozenTrial._trial_id``). If either changed, a search whose model was contradicted could not drop the trials
+    it had queued by the model's first order."""
+    from optuna.trial import TrialState
+
+    storage, number = study_storage(study), trial_id(trial)
+    for key, value in attrs.items():
+        storage.set_trial_user_attr(number, key, value)
+    storage.set_trial_state_values(number, state=TrialState.FAIL)

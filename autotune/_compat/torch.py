@@ -379,3 +379,10 @@ def set_activation_memory_budget(budget: float) -> Any:
     previous = functorch_config.activation_memory_budget
     functorch_config.activation_memory_budget = budget
     return previous
+
+
+#: Where torch's fake tensors (``torch._subclasses``: ``FakeTensorMode``, the estimator's trace without data) keep
+#: their code, as a path fragment: an error raised there is the trace's limit (a value read, an op without a fake
+#: rule), not the traced code's mistake. If the package moved, such an error in the user's step would read as the
+#: user's (:mod:`autotune._target.failure`): the search would stop where it now notes it.
+FAKE_TENSOR_CODE = "/torch/_subclasses/"

@@ -6,7 +6,7 @@ with or without a GPU: :mod:`autotune._estimate.cuda_rules`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
     from autotune._estimate.devices import DeviceSpeed
+    from autotune._estimate.recompute import RecomputeChoice
     from autotune._estimate.step_time import SpeedPrediction
 
     from autotune._target.target import Target
@@ -48,6 +49,7 @@ class TargetEstimate:
     baseline_bytes: int = 0
     measured_peak_bytes: int | None = None  # a short run's peak where one settled the fit (``autotune estimate``)
     speed: SpeedPrediction | None = None  # at the row's micro-batch if it fits, else at the largest that does
+    recompute: RecomputeChoice | None = None  # what activation_checkpointing="auto" chose for the row, per block
 
     @property
     def peak_bytes(self) -> int:
@@ -81,6 +83,9 @@ class TargetEstimate:
                 "state_bytes_per_parameter": self.state_bytes_per_parameter,
                 "method": self.estimate.method, "measured_peak_bytes": self.measured_peak_bytes,
                 "notes": list(self.estimate.notes),
+                "recompute_blocks": None if self.recompute is None else [
+                    {"name": b.name, "level": b.level, "saved_bytes": b.saved_bytes,
+                     "recompute_seconds": b.recompute_seconds} for b in self.recompute.blocks],
                 "speed": None if self.speed is None else {"micro_batch_size": self.speed.plan.micro_batch_size,
                                                           **self.speed.as_dict()}}
 
@@ -169,7 +174,7 @@ def default_plans(*, precisions: Sequence[str] | None = None, world_size: int = 
 def estimate_target(
     *, target: Target, plans: Sequence[Plan], budget: BudgetSpec | ResolvedBudget, device: DeviceSpec = None,
     micro_batch_size: int | None = None, world_size: int | None = None, device_memory_bytes: int | None = None,
-    baseline_bytes: int = 0, seq_len: int | None = None, trace: str = "auto",
+    baseline_bytes: int | Callable[[Plan], int] = 0, seq_len: int | None = None, trace: str = "auto",
     device_speed: DeviceSpeed | None = None,
 ) -> list[TargetEstimate]:
     """Estimate each plan on a target's first training batch against a budget (the rows of ``autotune estimate``).
@@ -179,15 +184,18 @@ def estimate_target(
     ``micro_batch_size`` (None: the plan's own, else the whole batch), and is one rank's of ``world_size`` (see
     :func:`estimate`). ``device_memory_bytes`` is the device's memory for shares of it (``0.8``) in place of a
     reading of the device (needed for a what-if device). ``baseline_bytes`` is added to every peak before it is
-    compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`). ``seq_len``: estimate
+    compared with the budget (the process's own memory on CPU, see :class:`TargetEstimate`), or is a function of a
+    row's plan at its micro-batch giving it (the process grows with the micro-batch). ``seq_len``: estimate
     the batch at this sequence length (its token ids, masks and labels cut or filled, see ``with_sequence_length``;
     None: the batch's own). ``trace``: how each step is traced, as for :func:`estimate`. ``device_speed``: also
     predict each row's speed on that device (at the row's micro-batch where it fits, else at the largest that does;
-    none where nothing fits), uncalibrated. Returns one row per plan, in order.
+    none where nothing fits), uncalibrated. A plan with ``activation_checkpointing="auto"`` not chosen yet is chosen
+    for the row's micro-batch and the budget less the baseline (:func:`autotune.choose_recompute`, its recompute
+    priced on ``device_speed``), and the row holds the choice. Returns one row per plan, in order.
 
     Raises:
-        ValueError: for a bad budget or micro-batch and as :func:`estimate`; ``TargetError`` for a target whose
-            data gives no batch.
+        ValueError: for a bad budget or micro-batch and as :func:`estimate`, for an ``"auto"`` plan without
+            ``device_speed``; ``TargetError`` for a target whose data gives no batch.
     """
     resolved, what_if = estimate_device(device)
     budget_bytes = resolve_budget(budget, resolved, what_if=what_if, device_memory=device_memory_bytes).budget_bytes
@@ -195,10 +203,18 @@ def estimate_target(
     count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     rows = []
     for plan in plans:
+        choice = None
+        if plan.activation_checkpointing == "auto" and plan.recompute is None:
+            choice = _choose_for_row(target=target, batch=batch, plan=plan, budget_bytes=budget_bytes, device=resolved,
+                                     micro_batch_size=micro_batch_size, world_size=world_size,
+                                     baseline_bytes=baseline_bytes, device_speed=device_speed)
+            plan = choice.plan.replace(micro_batch_size=plan.micro_batch_size)
         traces = Traces(model=target.model, batch=batch, plan=plan, device=resolved, optimizer=None,
                         world_size=world_size, trace=trace)
         at_micro = traces.at(micro_batch_size or plan.micro_batch_size or traces.size)
-        room = budget_bytes - baseline_bytes
+        baseline = baseline_bytes(plan.replace(micro_batch_size=at_micro.micro_batch_size)) if callable(
+            baseline_bytes) else baseline_bytes
+        room = budget_bytes - baseline
         largest = traces.largest_fit(room) if room > 0 else None
         fast = at_micro.micro_batch_size if at_micro.predicted_peak_bytes <= room else largest
         speed = None
@@ -208,9 +224,26 @@ def estimate_target(
             speed = SpeedModel(device_speed, batch_size=traces.size).predict(
                 traces.work(fast), plan.replace(micro_batch_size=fast), world_size=traces.world_size)
         rows.append(TargetEstimate(estimate=at_micro, batch_size=traces.size, budget_bytes=budget_bytes,
-                                   max_micro_batch_size=largest, parameter_count=count, baseline_bytes=baseline_bytes,
-                                   speed=speed))
+                                   max_micro_batch_size=largest, parameter_count=count, baseline_bytes=baseline,
+                                   speed=speed, recompute=choice))
     return rows
+
+
+def _choose_for_row(*, target: Target, batch: Any, plan: Plan, budget_bytes: int, device: Any,
+                    micro_batch_size: int | None, world_size: int | None,
+                    baseline_bytes: int | Callable[[Plan], int], device_speed: DeviceSpeed | None) -> RecomputeChoice:
+    """``activation_checkpointing="auto"`` chosen for a row: at its micro-batch, in the budget less the baseline."""
+    from autotune._estimate.recompute import choose
+    from autotune._runtime.batch import batch_size_of
+
+    if device_speed is None:
+        raise ValueError("activation_checkpointing='auto' prices each block's recompute on the device: give its "
+                         "speeds (device_speed; `autotune estimate --device-type` for a GPU this machine lacks)")
+    micro = micro_batch_size or plan.micro_batch_size or batch_size_of(batch)
+    at = plan.replace(micro_batch_size=micro)
+    baseline = baseline_bytes(at) if callable(baseline_bytes) else baseline_bytes
+    return choose(model=target.model, batch=batch, plan=at, budget_bytes=max(budget_bytes - baseline, 1),
+                  device=device, speed=device_speed, world_size=world_size)
 
 
 def first_batch(target: Target, *, seq_len: int | None = None) -> Any:

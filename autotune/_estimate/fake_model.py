@@ -32,7 +32,13 @@ from autotune._estimate.real_path import from_bytes, to_bytes
 from autotune._estimate.sharding import cast_unit_inputs
 from autotune._plan.plan import Plan
 from autotune._runtime.state import RNGState
-from autotune._transforms.blocks import checkpoint_blocks, compile_targets, offload_activations, select_blocks
+from autotune._transforms.blocks import (
+    checkpoint_blocks,
+    compile_targets,
+    offload_activations,
+    ops_only_blocks,
+    select_blocks,
+)
 from autotune._transforms.offload import device_part, is_offloaded
 
 __all__ = ["FakeStep"]
@@ -88,10 +94,11 @@ class FakeStep:
             fake.train()
             self.watch = Watch(fake, plan, device_type=traces.device.type)  # settings that apply to nothing
             if plan.activation_checkpointing:
-                blocks = select_blocks(fake, plan.activation_checkpointing)
+                blocks = select_blocks(fake, plan.activation_checkpointing, plan.recompute)
                 if low is not None:
                     _recompute_under(blocks, low, self.in_backward)
-                checkpoint_blocks(blocks, model=fake)
+                checkpoint_blocks(blocks, model=fake,
+                                  ops_only=ops_only_blocks(fake, plan.activation_checkpointing, plan.recompute))
                 self.watch.checkpointed(blocks)
             if plan.compile:  # not traced (the eager step), but whether the modules it compiles run is
                 self.watch.compiled(compile_targets(fake))

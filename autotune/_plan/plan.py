@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget
+from autotune._plan.config_text import did_you_mean
 from autotune._plan.tuned import (
     APPLY,
     ELASTIC,
@@ -23,6 +24,7 @@ from autotune._plan.tuned import (
 )
 from autotune._plan.provenance import Provenance, provenance_problems, version_problems
 from autotune._transforms.optim_state import OPTIMIZER_STATES
+from autotune._transforms.recompute import RECOMPUTE_LEVELS
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
@@ -62,8 +64,13 @@ class Plan:
             ``micro_batch_size`` fits: the longest batch a search saw. ``ElasticBatchSize`` starts its split there,
             so shorter batches take larger micro-batches from the first step (None: the first batch's).
         budget: the memory budget the run keeps (``"20GiB"``, ``0.8``, ``"auto"``; None: react to OOM only).
-        activation_checkpointing: the fraction in [0, 1] of the model's repeated blocks to checkpoint, or the
-            class names of the modules to checkpoint.
+        activation_checkpointing: the fraction in [0, 1] of the model's repeated blocks to checkpoint, the class
+            names of the modules to checkpoint, or ``"auto"``: the estimator chooses, for the micro-batch and the
+            budget, what each block recomputes (``recompute``; :func:`autotune.choose_recompute`).
+        recompute: with ``activation_checkpointing="auto"``, one level per repeated block (in module order, see
+            ``RECOMPUTE_LEVELS``): ``"none"``, ``"ops"`` (its matrix products and attention saved, its pointwise
+            operators, norms and dropout recomputed: torch's selective checkpointing) or ``"block"`` (all of it
+            recomputed). None: not chosen yet (a search or ``autotune estimate`` chooses).
         activation_offload: keep the tensors saved for backward on the host (``save_on_cpu``).
         optimizer_offload: keep the optimizer state on the host and run the update on the CPU (torchao's
             ``CPUOffloadOptimizer``; one CUDA GPU, ``pip install 'lightning-autotune[torchao]'``).
@@ -98,7 +105,8 @@ class Plan:
     micro_batch_size: int | None = None
     micro_batch_sample_size: float | None = None
     budget: str | None = None
-    activation_checkpointing: float | tuple[str, ...] = 0.0
+    activation_checkpointing: float | tuple[str, ...] | str = 0.0
+    recompute: tuple[str, ...] | None = None
     activation_offload: bool = False
     optimizer_offload: bool = False
     optimizer_state: str = "full"
@@ -117,8 +125,10 @@ class Plan:
         if problems:
             raise ValueError("invalid plan: " + "; ".join(problems))
         ckpt = self.activation_checkpointing
-        object.__setattr__(self, "activation_checkpointing",
+        object.__setattr__(self, "activation_checkpointing", ckpt if ckpt == "auto" else
                            tuple(ckpt) if isinstance(ckpt, (list, tuple)) else float(ckpt))
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", tuple(self.recompute))
         if self.budget is not None:
             object.__setattr__(self, "budget", str(Budget.parse(self.budget)))
         for name in ("compile_memory_budget", "micro_batch_sample_size"):  # 512 and 512.0: one plan, one key
@@ -216,18 +226,29 @@ class Plan:
         ]
 
     def elastic_kwargs(self) -> dict[str, Any]:
-        """The ``ElasticBatchSize`` keyword arguments of this plan."""
-        kwargs = {"budget": self.budget, "micro_batch_size": self.micro_batch_size}
-        if self.micro_batch_sample_size is not None:
-            kwargs["micro_batch_sample_size"] = self.micro_batch_sample_size
-        return kwargs
+        """The ``ElasticBatchSize`` keyword arguments of this plan.
+
+        A plan with a micro-batch runs at it, the micro-batch its search measured (or ``autotune suggest``
+        predicted): ``grow=False``, so that clean steps do not take it to larger ones the search found slower or
+        over the budget (an out-of-memory error still halves it; batches whose shape varies still take the micro-batch
+        their shape allows). Pass ``grow=True`` to ``ElasticBatchSize`` (``grow: true`` in the tuned file) to let it try
+        larger ones. Without a micro-batch it starts at the whole batch and grows back after a halving.
+
+        Example:
+            >>> Plan(micro_batch_size=16).elastic_kwargs()
+            {'budget': None, 'micro_batch_size': 16, 'micro_batch_sample_size': None, 'grow': False}
+        """
+        return {"budget": self.budget, "micro_batch_size": self.micro_batch_size,
+                "micro_batch_sample_size": self.micro_batch_sample_size, "grow": self.micro_batch_size is None}
 
     def apply_kwargs(self) -> dict[str, Any]:
         """The ``ApplyPlan`` keyword arguments of this plan: the rest of its dict form, and its provenance."""
         data = self.to_dict()
         for name in ("format_version", "precision", "accumulate_grad_batches", "strategy", "devices",
-                     "micro_batch_sample_size", *self.elastic_kwargs()):
+                     *self.elastic_kwargs()):
             data.pop(name, None)
+        if self.recompute is None:  # written only where 'auto' checkpointing chose it
+            data.pop("recompute")
         return {**data, "provenance": self.provenance.as_dict()}
 
     def replace(self, **changes: Any) -> Plan:
@@ -243,13 +264,14 @@ class Plan:
         """The tuned file's content: a LightningCLI config whose trainer section applies the plan."""
         apply = self.apply_kwargs()
         apply["provenance"] = {"format_version": FORMAT_VERSION, **apply["provenance"]}
-        trainer = {"precision": self.precision, "accumulate_grad_batches": 1}
+        trainer: dict[str, Any] = {}
         if self.strategy == "fsdp":
             trainer["strategy"] = {"class_path": MODEL_PARALLEL, "init_args": self._model_parallel_args()}
         elif self.strategy != "auto":
             trainer["strategy"] = self.strategy
         if self.devices is not None:
             trainer["devices"] = self.devices
+        trainer.update(precision=self.precision, accumulate_grad_batches=1)  # last: a file cut short lacks them
         # The callbacks come first: resolving their class paths imports autotune.callbacks, whose LightningCLI error
         # handler then reports a bad value of any key below in one line (callbacks/_lightning_cli.py).
         return {"trainer": {
@@ -267,7 +289,9 @@ class Plan:
             sharding = "" if self.strategy != "fsdp" or self.reshard_after_forward else " (no reshard)"
             parts.insert(0, f"{self.strategy}{sharding}" + (f" x{self.devices}" if self.devices else ""))
         ckpt = self.activation_checkpointing
-        if ckpt:
+        if ckpt == "auto":
+            parts.append("ckpt auto" + (f" {''.join(level[0] for level in self.recompute)}" if self.recompute else ""))
+        elif ckpt:
             parts.append(f"ckpt {ckpt if not isinstance(ckpt, tuple) else '+'.join(ckpt)}")
         for flag in _FLAGS:
             if getattr(self, flag):
@@ -314,8 +338,18 @@ def field_problems(fields: Mapping[str, Any]) -> list[tuple[str, str]]:
                              f"activation_checkpointing class names must be identifiers; got {list(ckpt)!r}"))
     else:
         check("activation_checkpointing",
-              lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v) and 0 <= v <= 1,
-              "a fraction in [0, 1] or a list of class names")
+              lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
+                                        and 0 <= v <= 1),
+              "a fraction in [0, 1], a list of class names or 'auto'")
+    levels = fields.get("recompute")
+    if levels is not None:
+        if not isinstance(levels, (list, tuple)) or not levels or not all(
+                isinstance(v, str) and v in RECOMPUTE_LEVELS for v in levels):
+            problems.append(("recompute", f"recompute must be a list of {', '.join(RECOMPUTE_LEVELS)} (one per repeated "
+                                          f"block) or None; got {levels!r}"))
+        elif fields.get("activation_checkpointing", 0.0) != "auto":
+            problems.append(("recompute", "recompute is what activation_checkpointing='auto' chose; it needs "
+                                          "activation_checkpointing: auto"))
     for flag in _FLAGS:
         check(flag, lambda v: isinstance(v, bool), "true or false")
     if fields.get("optimizer_offload") is True and fields.get("strategy", "auto") != "auto":
@@ -368,7 +402,8 @@ def load_plan(path: str | Path) -> Plan:
     if provenance is not None:
         problems += provenance_problems(provenance, where=where["provenance"])
     settings = {f.name for f in dataclasses.fields(Plan)} - {"provenance"}
-    problems += [f"{where[name]}: unknown setting" for name in fields if name not in settings]
+    problems += [f"{where[name]}: unknown setting{did_you_mean(name, sorted(settings))}" for name in fields
+                 if name not in settings]
     values = {k: v for k, v in fields.items() if k in settings}
     problems += [f"{where.get(name, name)}: {message}" for name, message in field_problems(values)]
     if problems:

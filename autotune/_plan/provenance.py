@@ -39,6 +39,9 @@ class Provenance:
     # the step-time model's prediction for the plan (samples_per_second, mfu, bound, device, error, ...): all a
     # suggested plan has (``autotune suggest``: nothing measured), beside the measured figures of a searched one
     prediction: dict[str, Any] = field(default_factory=dict)
+    # a search's decisive paired comparisons (docs/search.md, "How a verdict is protected"): each rival, its ratio to
+    # the plan it met with the interval, the rounds, and the verdict
+    paired: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def here(cls, **fields: Any) -> Provenance:
@@ -55,7 +58,7 @@ class Provenance:
 
     def as_dict(self) -> dict[str, Any]:
         """Only the fields that are set, for the tuned file."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {})}
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {}, [])}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "provenance") -> Provenance:

@@ -7,7 +7,7 @@ import dataclasses
 import importlib.resources
 import importlib.util
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from autotune._plan.plan import Plan, field_problems
-from autotune._plan.tuned import safe_load_unique, yaml_problem
+from autotune._plan.config_text import safe_load_unique, yaml_problem
 
 #: Plan fields a space may search (the budget is the search's constraint, the devices its argument, the provenance
 #: its record).
@@ -265,8 +265,15 @@ def plan_from_params(params: dict[str, Any], *, micro_batch_size: int | None = N
     return Plan.from_dict(values, provenance=fields.get("provenance"))
 
 
-def plan_for(params: dict[str, Any], micro: int | None, devices: int) -> Plan:
-    """The plan a search runs for one point of its space: ``micro`` replaces an ``auto`` micro-batch, and a sharded
-    plan carries the search's ``devices`` (its strategy and per-rank memory depend on it)."""
-    return plan_from_params(params, micro_batch_size=micro, **({"devices": devices} if params.get("strategy") == "fsdp"
+def plan_for(params: dict[str, Any], micro: int | None, devices: int,
+             recompute: Sequence[str] | float | None = None) -> Plan:
+    """The plan a search runs for one point of its space: ``micro`` replaces an ``auto`` micro-batch, ``recompute``
+    is what an ``auto`` checkpointing chose (a trial's: its levels, or 0.0 / 1.0 where it chose nothing or every block), and a sharded plan carries the search's ``devices`` (its
+    strategy and per-rank memory depend on it)."""
+    plan = plan_from_params(params, micro_batch_size=micro, **({"devices": devices} if params.get("strategy") == "fsdp"
                                                                else {}))
+    if recompute is None or plan.activation_checkpointing != "auto":
+        return plan
+    if isinstance(recompute, (int, float)):  # 'auto' that chose nothing or every block: that plan
+        return plan.replace(activation_checkpointing=float(recompute))
+    return plan.replace(recompute=tuple(recompute))

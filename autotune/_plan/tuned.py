@@ -4,7 +4,6 @@ document and validates what is read: see :mod:`autotune._plan.plan`)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import tempfile
@@ -15,11 +14,17 @@ from typing import Any
 import yaml
 
 from autotune._device.budget import format_bytes
+from autotune._plan.config_text import (
+    CLI_CONFIG_KEYS, constructor_arguments, did_you_mean, safe_load_unique, yaml_problem,
+)
 
 #: Version of the file and of a plan's dict form (``Plan.to_dict``); a newer one is refused.
 #: 2: new plan settings (optimizer_state, compile_memory_budget, float8) and ``callbacks+`` (appended to the user's
 #: callbacks); files of format 1 (``callbacks``, replacing them) still load.
-FORMAT_VERSION = 2
+#: 3: every key written (ElasticBatchSize's ``grow`` and ``micro_batch_sample_size`` too), the trainer's settings
+#: after the callbacks, and a file that lacks any of them refused (:func:`missing_keys`); files of formats 1 and 2 load
+#: when they hold what their writers always wrote.
+FORMAT_VERSION = 3
 ELASTIC = "autotune.callbacks.ElasticBatchSize"
 APPLY = "autotune.callbacks.ApplyPlan"
 #: The trainer settings and ``ElasticBatchSize`` arguments that are plan settings (every ``ApplyPlan`` one is).
@@ -27,7 +32,15 @@ TRAINER_SETTINGS = ("precision", "strategy", "devices")
 #: The class path a sharded plan's strategy is written with (``strategy: fsdp`` in the plan's dict form).
 MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 ELASTIC_SETTINGS = ("budget", "micro_batch_size", "micro_batch_sample_size")
+#: What every tuned file of a format holds, by the name it is kept under in ``where`` (:func:`read_tuned_file`); a
+#: sharded plan's strategy and the plan's devices are written only where the plan sets them. Format 3 also holds every
+#: ``ApplyPlan`` argument (:func:`missing_keys`).
+_ALWAYS = {1: ("precision", "accumulate_grad_batches", "budget", "micro_batch_size", "provenance"),
+           3: ("precision", "accumulate_grad_batches", *ELASTIC_SETTINGS, "grow", "provenance.format_version")}
 _NAMESPACES = ("autotune.", "lightning.")
+#: ``ApplyPlan`` arguments written only where the plan sets them (``recompute``: what ``activation_checkpointing:
+#: auto`` chose), so files of format 3 written before them still hold every key.
+_WHERE_SET = ("recompute",)
 
 _COMMENTS = {
     "precision": "numeric precision of weights/activations; *-mixed keeps fp32 weights, halves activations",
@@ -37,9 +50,11 @@ _COMMENTS = {
     "reshard_after_forward": "fsdp: free gathered parameters after each block's forward (ZeRO-3; false: ZeRO-2)",
     "cpu_offload": "fsdp: parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)",
     "budget": "memory cap of the run (hard on CUDA, soft on CPU)",
+    "grow": "false: stays at the measured micro_batch_size (an OOM still halves it); true: tries larger ones",
     "micro_batch_size": "samples per forward/backward; the effective batch is the dataloader's",
     "micro_batch_sample_size": "elements per sample where micro_batch_size fits (longest batch seen): shorter take more",
-    "activation_checkpointing": "share of repeated blocks recomputed in backward: less memory, more compute",
+    "activation_checkpointing": "share of repeated blocks recomputed in backward (auto: chosen per block below)",
+    "recompute": "per repeated block: none, ops (matmuls and attention saved, the rest recomputed) or block",
     "activation_offload": "keep saved activations on the host during backward: less device memory, more copies",
     "optimizer_offload": "optimizer state on the host, update on the CPU (torchao): less device memory, slower steps",
     "optimizer_state": "Adam's moments: full (as configured), 8bit or 4bit (torchao): 8 bytes per parameter -> ~2 or ~1",
@@ -75,6 +90,11 @@ def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, A
         lines.append("# Measured: " + ", ".join(measured))
         if provenance.get("prediction"):
             lines.append("# Predicted before it ran: " + _predicted(provenance["prediction"]))
+    for v in provenance.get("paired") or []:  # the decisive paired comparisons (docs/search.md)
+        low, high = v["interval"]
+        lines.append(f"# Paired with {v['against']} ({v['why']}): {v['ratio']:.2f}x [{low:.2f}, "
+                     f"{'inf' if high is None else format(high, '.2f')}] the samples/s of {v['incumbent_plan']} over "
+                     f"{len(v['rounds'])} rounds; {v['verdict']}")
     lines += [
         "# Use: python train.py fit --config your_config.yaml --config THIS_FILE",
         "#   (this file adds its callbacks to yours: `callbacks+` appends; a later --config's list replaces both)",
@@ -171,30 +191,73 @@ def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], l
     """
     path = Path(path)
     try:
-        doc = safe_load_unique(path.read_text())
+        text = path.read_text()
+        doc = safe_load_unique(text)
     except FileNotFoundError:
         raise PlanFileError(f"{path}: the tuned file does not exist") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise PlanFileError(f"{path}: cannot read the tuned file as YAML text: {yaml_problem(err)}") from None
     problems: list[str] = []
     where: dict[str, str] = {}
-    return _collect_fields(doc, problems, where), where, problems
+    return _collect_fields(doc, problems, where, version=claimed_format(text)), where, problems
 
 
-def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dict[str, Any]:
+def claimed_format(text: str) -> int | None:
+    """The format a file's first line claims (``# Tuned by lightning-autotune (tuned-file format 3).``), None for a
+    file that does not claim to be a tuned file (a config of the user's, a plan written by hand).
+
+    Example:
+        >>> claimed_format("# Tuned by lightning-autotune (tuned-file format 2).\ntrainer: {}"), claimed_format("a: 1")
+        (2, None)
+    """
+    if not text.startswith(TUNED_HEADER):
+        return None
+    match = re.match(re.escape(TUNED_HEADER) + r" \(tuned-file format (\d+)\)", text)
+    return int(match[1]) if match else FORMAT_VERSION
+
+
+def missing_keys(version: int | None, present: set[str], elastic: str, apply: str) -> list[str]:
+    """One problem naming every key a tuned file of format ``version`` always holds and this one lacks (a file cut
+    short, a line lost in a merge), from the keys ``present`` (``precision``, ``grow``, ``provenance.format_version``)
+    and where its two entries are; none for a file that does not claim to be a tuned file (``version`` None), whose
+    settings default.
+
+    A file of format 3 holds every plan setting the writer knows (a sharded plan's strategy and the devices where the
+    plan sets them); one of formats 1 and 2 the keys their writers always wrote (precision, the accumulation, the
+    budget, the micro-batch, the provenance)."""
+    if version is None:
+        return []
+    wanted = list(_ALWAYS[3 if version >= 3 else 1])
+    if version >= 3:
+        wanted += [name for name in sorted(constructor_arguments(APPLY)) if name not in ("provenance", *_WHERE_SET)]
+    entry = dict.fromkeys((*ELASTIC_SETTINGS, "grow"), elastic)
+    missing = [f"trainer.{name}" if name in ("precision", "accumulate_grad_batches")
+               else f"{entry.get(name, apply)}.init_args.{name}" for name in wanted if name not in present]
+    if not missing:
+        return []
+    return [f"{', '.join(missing)}: missing; a tuned file (format {version}) holds every plan setting, so this one was "
+            "cut short or edited: write it again (autotune search or suggest), or delete its first line to use it as a "
+            "config of your own"]
+
+
+def _collect_fields(doc: Any, problems: list[str], where: dict[str, str], *, version: int | None) -> dict[str, Any]:
+    problems += [f"{key}: unknown key{did_you_mean(key, CLI_CONFIG_KEYS)} (a tuned file is a LightningCLI config: "
+                 f"{', '.join(CLI_CONFIG_KEYS)})" for key in (doc if isinstance(doc, dict) else ())
+                 if key not in CLI_CONFIG_KEYS]
     if not isinstance(doc, dict) or not isinstance(doc.get("trainer"), dict):
-        problems.append("trainer: missing; a tuned file is a LightningCLI config with a 'trainer:' section")
+        if not problems:  # a misspelt 'trainer' says it already
+            problems.append("trainer: missing; a tuned file is a LightningCLI config with a 'trainer:' section")
         return {}
     trainer = doc["trainer"]
-    problems += [f"{key}: unknown key (a tuned file is a LightningCLI config: {', '.join(CLI_CONFIG_KEYS)})"
-                 for key in doc if key not in CLI_CONFIG_KEYS]
-    problems += [f"trainer.{key}: not an argument of lightning's Trainer" for key in trainer
-                 if key.rstrip("+") not in constructor_arguments("lightning.pytorch.Trainer")]
+    trainer_arguments = constructor_arguments("lightning.pytorch.Trainer")
+    problems += [f"trainer.{key}: not an argument of lightning's Trainer{did_you_mean(key, sorted(trainer_arguments))}"
+                 for key in trainer if key.rstrip("+") not in trainer_arguments]
     fields: dict[str, Any] = {}
     for name in TRAINER_SETTINGS:
         if name in trainer:
             fields[name] = trainer[name]
             where[name] = f"trainer.{name}"
+    present = {name for name in (*TRAINER_SETTINGS, "accumulate_grad_batches") if name in trainer}
     if isinstance(fields.get("strategy"), dict):
         fields["strategy"] = _sharded_strategy(fields["strategy"], trainer.get("devices"), problems)
     if trainer.get("accumulate_grad_batches", 1) != 1:
@@ -205,6 +268,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         problems.append(f"trainer.{key_name}: missing; expected ElasticBatchSize and ApplyPlan entries")
         return fields
     found = set()
+    entries: dict[str, str] = {}
     for i, entry in enumerate(callbacks):
         key = f"trainer.{key_name}[{i}]"
         class_path = entry.get("class_path") if isinstance(entry, dict) else None
@@ -217,55 +281,29 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str]) -> dic
         if class_path not in (ELASTIC, APPLY):
             continue  # another Lightning callback the user added: not part of the plan
         found.add(class_path)
+        entries[class_path] = key
         init_args = entry.get("init_args") or {}
         if not isinstance(init_args, dict):
             problems.append(f"{key}.init_args: must be a mapping")
             continue
         for name, value in init_args.items():
             if class_path == ELASTIC and name not in constructor_arguments(ELASTIC):
-                problems.append(f"{key}.init_args.{name}: not an argument of ElasticBatchSize")
+                problems.append(f"{key}.init_args.{name}: not an argument of ElasticBatchSize"
+                                f"{did_you_mean(name, sorted(constructor_arguments(ELASTIC)))}")
                 continue
+            present.add(name)
             if class_path == ELASTIC and name not in ELASTIC_SETTINGS:
                 continue  # other ElasticBatchSize options (grow, min_micro_batch_size, ...) are not plan settings
             fields[name] = value
             where[name] = f"{key}.init_args.{name}"
+            if name == "provenance" and isinstance(value, dict) and "format_version" in value:
+                present.add("provenance.format_version")
     for required in (ELASTIC, APPLY):
         if required not in found:
             problems.append(f"trainer.{key_name}: no {required} entry")
+    if len(found) == 2:  # (an entry missing is a problem of its own)
+        problems += missing_keys(version, present, entries[ELASTIC], entries[APPLY])
     return fields
-
-
-def callback_entries(doc: Any) -> list[tuple[str, str, Any]]:
-    """Where, class path and ``init_args`` of each ``trainer.callbacks`` / ``trainer.callbacks+`` entry of a
-    LightningCLI config document (a list or one entry) that names a class path; anything else is skipped.
-
-    Example:
-        >>> callback_entries({"trainer": {"callbacks+": [{"class_path": "a.B", "init_args": {"x": 1}}]}})
-        [('trainer.callbacks+[0]', 'a.B', {'x': 1})]
-    """
-    trainer = doc.get("trainer") if isinstance(doc, dict) else None
-    entries = []
-    for key_name in ("callbacks", "callbacks+"):
-        listed = trainer.get(key_name) if isinstance(trainer, dict) else None
-        listed = [listed] if isinstance(listed, dict) else listed if isinstance(listed, list) else []
-        for i, entry in enumerate(listed):
-            if isinstance(entry, dict) and isinstance(entry.get("class_path"), str):
-                entries.append((f"trainer.{key_name}[{i}]", entry["class_path"], entry.get("init_args") or {}))
-    return entries
-
-
-#: The top-level keys of a LightningCLI ``fit`` config (a tuned file may be merged into one; targets read them too).
-CLI_CONFIG_KEYS = ("model", "data", "trainer", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
-
-
-@functools.cache
-def constructor_arguments(class_path: str) -> frozenset[str]:
-    """The arguments of a class's constructor, by its import path (read once per class)."""
-    import importlib
-    import inspect
-
-    module, _, name = class_path.rpartition(".")
-    return frozenset(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
 
 
 def _sharded_strategy(entry: dict[str, Any], devices: Any, problems: list[str]) -> Any:
@@ -283,56 +321,3 @@ def _sharded_strategy(entry: dict[str, Any], devices: Any, problems: list[str]) 
         problems.append(f"trainer.strategy.init_args.data_parallel_size: must equal trainer.devices ({devices!r}); "
                         f"got {args.get('data_parallel_size')!r}")
     return "fsdp"
-
-
-class _UniqueKeys(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping repeating a key (PyYAML keeps the last one silently)."""
-
-
-def _mapping_without_repeats(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``, which construct_mapping merges
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            repeated = key in seen
-        except TypeError:  # an unhashable key: construct_mapping reports it
-            break
-        if repeated:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key '{key}' appears twice (line {key_node.start_mark.line + 1}); keep one", None)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
-
-
-def yaml_problem(err: BaseException) -> str:
-    """A YAML error in one line, with its line and column where PyYAML knows them.
-
-    Example:
-        >>> try:
-        ...     safe_load_unique("a: [1, 2\\nb: 3")
-        ... except yaml.YAMLError as err:
-        ...     print(yaml_problem(err))
-        expected ',' or ']', but got ':' at line 2, column 2 (while parsing a flow sequence)
-    """
-    mark = getattr(err, "problem_mark", None)
-    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
-    if mark is None or not problem:
-        return " ".join(str(err).split())
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" + (f" ({context})" if context else "")
-
-
-def safe_load_unique(text: str) -> Any:
-    r"""``yaml.safe_load`` of ``text``, refusing a mapping that repeats a key (tuned files, spaces, configs).
-
-    Example:
-        >>> safe_load_unique("budget: 16GiB\nbudget: 8GiB")
-        Traceback (most recent call last):
-        ...
-        yaml.constructor.ConstructorError: key 'budget' appears twice (line 2); keep one
-    """
-    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass

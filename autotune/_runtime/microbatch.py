@@ -59,6 +59,7 @@ class ElasticEngine:
         if self.agree.enabled:
             self.guard.install()
         self._zeroed: set[int] = set()  # the closure evaluations of this step whose zero-grad function ran
+        self._hooked: set[int] = set()  # ... whose on_before_optimizer_step hooks ran
         self._metrics: tuple[list[torch.nn.Module], Any] | None = None
         self._warned: set[str] = set()
         # Per step.
@@ -160,6 +161,7 @@ class ElasticEngine:
         static = self.meter.start() if self._measure else 0
         replayed, left_before = False, False
         self._zeroed = set()
+        self._hooked = set()
         wrap_zero_grad(closure, lambda original: self._zero_grad_once(original, optimizer))
         micro = self.policy.micro_for(n)
         while True:
@@ -208,7 +210,8 @@ class ElasticEngine:
         peaks = self._peaks(static) if self._measure else None
         self.last_peak_bytes = peaks.peak if peaks is not None else self.last_peak_bytes
         over = self.policy.over_budget_events
-        self.policy.after_success(n=n, ran=self.sizes[0], clean=not replayed, step=global_step, peaks=peaks)
+        self.policy.after_success(n=n, ran=self.sizes[0], clean=not replayed, step=global_step, peaks=peaks,
+                                  count=len(self.sizes))
         if self.policy.over_budget_events > over:
             release_host_memory()  # the smaller next step is measured at its own need, not the heap this one left
         return result
@@ -222,9 +225,12 @@ class ElasticEngine:
             count = self.drain.start_attempt(self.agree, count)
         elif self.agree.enabled and self.counts_agree:
             count = int(self.agree.max(float(count))[0])
-        if count != len(sizes):
+        even = self.agree.enabled and self.counts_agree
+        if count != len(sizes) or even:
             if count > n:
                 raise RuntimeError(_DIFFERENT_SPLITS)  # ranks run alike: a rank with fewer samples cannot
+            # Equal counts, equal sizes: every rank (of equal batches) splits evenly, also the one whose own count is
+            # the largest, so a collective whose size follows the micro-batch (an all-gather of its rows) agrees.
             sizes = split_even(n, count)
         self.agree.start_attempt(HEADER if self.sharded else HEADER + len(self._params))
         return sizes
@@ -367,6 +373,15 @@ class ElasticEngine:
         peak, load = self.meter.peaks()  # the budget's measure, the tensors' (CUDA)
         grows = load if self._closure_load is None else self._closure_load
         return StepPeaks(peak=peak, static=static, grows=grows, load=load)
+
+    def hooks_due(self) -> bool:
+        """Whether the ``on_before_optimizer_step`` hooks are to run after this closure evaluation: once per
+        evaluation of a step, not again when the step is replayed after an OOM in its update (they ran then)."""
+        evaluation = self.update.evaluations
+        if evaluation in self._hooked:
+            return False
+        self._hooked.add(evaluation)
+        return True
 
     def _zero_grad_once(self, original: Callable[[], None], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Lightning's zero-grad function (``on_before_zero_grad`` hooks, then ``optimizer_zero_grad``) as its own

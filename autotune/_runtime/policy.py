@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any, NamedTuple
 
 from autotune._device.budget import format_bytes
+from autotune._runtime.batch import split_sizes
 from autotune._runtime.events import _WARN_ONCE, ElasticEvent
 from autotune._runtime.shapes import ShapeSplit
 
@@ -136,9 +137,11 @@ class MicroBatchPolicy:
         self._record("oom", step, ran, self._micro, where, peak)
         return self._micro
 
-    def after_success(self, *, n: int, ran: int, clean: bool, step: int, peaks: StepPeaks | None) -> None:
-        """The step ran at ``ran`` samples per micro-batch (``clean``: at its first attempt); ``peaks``: what it
-        measured (None: not measured). Learns from it, checks a soft budget, and grows when growing is due."""
+    def after_success(self, *, n: int, ran: int, clean: bool, step: int, peaks: StepPeaks | None,
+                      count: int | None = None) -> None:
+        """The step ran at ``ran`` samples per micro-batch (``clean``: at its first attempt) in ``count`` micro-batches
+        (None: as many as ``ran`` at a time makes); ``peaks``: what it measured (None: not measured). Learns from it,
+        checks a soft budget, and grows when growing is due."""
         grew = False
         if self.growing_from is not None:
             if ran > self.growing_from:  # (not when other ranks' count held this one to what it ran before)
@@ -153,7 +156,10 @@ class MicroBatchPolicy:
         shapes.model.fitted(ran, shapes.size, max(0, peaks.grows - peaks.static) if peaks is not None else 0)
         if peaks is not None and self._over_budget(ran, n, step, peaks.peak, grew=grew):
             return
-        held = self._micro is not None and ran < min(self._micro, n)  # the ranks' count ran less than this rank's
+        # The ranks' count ran more micro-batches than this rank's own split would (an even split of the same count
+        # as this rank's own, whose largest part is below the micro-batch, is not held).
+        own = len(split_sizes(n, min(self._micro, n))) if self._micro is not None else 1
+        held = self._micro is not None and (count if count is not None else len(split_sizes(n, ran))) > own
         if held or not (self.grow and ran < n and self.clean_steps >= self.grow_wait and not shapes.varies):
             return
         self.clean_steps = 0

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autotune._compat.optuna import enqueued_params
+from autotune._compat.optuna import enqueued_params, fail_waiting
 from autotune._plan.plan import Plan
 from autotune._search.speed import modelled_dimensions
 
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from autotune._plan.space import SearchSpace
     from autotune._search.speed import SearchSpeed
 
-__all__ = ["StopWhenConfirmed", "observe_trial", "predicted_best_first"]
+__all__ = ["CONTRADICTS", "GUIDED", "FollowWhatIsMeasured", "StopWhenConfirmed", "contradiction", "observe_trial",
+           "predicted_best_first"]
 
 log = logging.getLogger("autotune")
 
@@ -27,18 +28,89 @@ log = logging.getLogger("autotune")
 PRIOR_ERROR = 0.25
 #: Measured trials a search takes at least before the model may stop it.
 MIN_MEASURED = 2
+#: The measured order of two trials contradicts the predicted one when each side is ahead by more than this share:
+#: the model put one ahead, the measurements the other.
+CONTRADICTS = 0.15
+#: A queued trial's user attribute: its place in the first trials, which the step-time model ordered.
+GUIDED = "guided"
 
 
-def predicted_best_first(seeds: list[dict[str, Any]], guided: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def predicted_best_first(seeds: list[dict[str, Any]], guided: list[dict[str, Any]],
+                         covering: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The first trials: the predicted best (``guided[0]``, the fastest point predicted to fit) before the space's
-    seeds, then the rest of ``guided``; each point once.
+    seeds, then ``covering`` (the predicted best of each precision: the choice the model is least sure of, one trial
+    each so that the study's own trials correct it: ``residuals.py``), then the rest of ``guided``; each point once.
 
     Example:
         >>> predicted_best_first([{"m": 8}], [{"m": 32}, {"m": 8}, {"m": 16}])
         [{'m': 32}, {'m': 8}, {'m': 16}]
+        >>> predicted_best_first([], [{"p": 32, "m": 32}, {"p": 32, "m": 16}], [{"p": 32, "m": 32}, {"p": 16, "m": 8}])
+        [{'p': 32, 'm': 32}, {'p': 16, 'm': 8}, {'p': 32, 'm': 16}]
     """
-    ordered = guided[:1] + seeds + guided[1:]
+    ordered = guided[:1] + seeds + list(covering) + guided[1:]
     return [p for i, p in enumerate(ordered) if p not in ordered[:i]]
+
+
+def contradiction(study: Any) -> tuple[int, int] | None:
+    """Two measured trials ``(a, b)`` whose measured order contradicts the order the model predicted for them before
+    each ran: ``a`` predicted faster than ``b`` by more than :data:`CONTRADICTS`, ``b`` measured faster than ``a`` by
+    more than that, beyond both runs' intervals; None when there are none.
+
+    Example:
+        >>> contradiction(study)  # doctest: +SKIP
+        (0, 2)
+    """
+    from optuna.trial import TrialState
+
+    measured = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.user_attrs.get("source") == "measured" and t.user_attrs.get("status") == "ok"
+                and t.user_attrs.get("samples_per_second") and t.user_attrs.get("predicted_samples_per_second")]
+    for a in measured:
+        for b in measured:
+            pa, pb = a.user_attrs["predicted_samples_per_second"], b.user_attrs["predicted_samples_per_second"]
+            low_b = (b.user_attrs.get("interval") or [b.user_attrs["samples_per_second"]])[0]
+            high_a = (a.user_attrs.get("interval") or [0, a.user_attrs["samples_per_second"]])[1]
+            if pa > (1 + CONTRADICTS) * pb and low_b > (1 + CONTRADICTS) * high_a:
+                return a.number, b.number
+    return None
+
+
+class FollowWhatIsMeasured:
+    """Optuna callback: once the measured order of two trials contradicts the model's (:func:`contradiction`), the
+    first trials still queued stop following the model's first order. They are dropped (failed, ``status:
+    dropped``: Optuna cannot take a trial off its queue otherwise) and as many points queued in their place, or one
+    of each precision if more, ranked by the model as the study's trials have corrected it (``candidates(n)``: the
+    fastest unmeasured point of each precision, then of all, predicted to fit, :mod:`residuals`); more than were
+    dropped only as far as the study has trials left to run (``room(study)``). Once per study;
+    the study records ``model_contradicted`` (the two trials, the points dropped and queued)."""
+
+    def __init__(self, candidates: Callable[[int], list[dict[str, Any]]], *,
+                 room: Callable[[Any], int] | None = None) -> None:
+        self.candidates, self.room = candidates, room
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        from optuna.trial import TrialState
+
+        if "model_contradicted" in study.user_attrs:
+            return
+        pair = contradiction(study)
+        if pair is None:
+            return
+        waiting = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                   if GUIDED in t.user_attrs]
+        dropped = [enqueued_params(t) for t in waiting]
+        for t in waiting:
+            fail_waiting(study, t, {"status": "dropped",
+                                    "reason": f"the model's first order was contradicted by trials {pair[0]} and "
+                                              f"{pair[1]}"})
+        queued = self.candidates(len(waiting))  # as many, or one of each precision if more
+        if self.room is not None:  # but no more than the trials left to run, where more than were dropped
+            queued = queued[:max(len(waiting), self.room(study))]
+        for params in queued:  # a dropped point the corrected model still ranks is queued again
+            study.enqueue_trial(params, user_attrs={GUIDED: -1})
+        log.info("autotune: trials %d and %d measured in the other order than predicted; %d queued trial(s) re-ranked "
+                 "by the model as the trials corrected it", pair[0], pair[1], len(waiting))
+        study.set_user_attr("model_contradicted", {"trials": list(pair), "dropped": dropped, "queued": queued})
 
 
 def observe_trial(trial: Any, plan: Plan, speed: SearchSpeed, samples_per_second: float | None) -> None:
@@ -61,8 +133,8 @@ class StopWhenConfirmed:
     That is once at least :data:`MIN_MEASURED` trials measured a plan that fits, and no point of the space left
     unmeasured (its modelled dimensions; ``auto`` as it resolves) is predicted to fit and beat the best measured
     plan's throughput. The prediction allows for the model's error so far (:data:`PRIOR_ERROR` until two trials tell
-    it). Waiting trials the model cannot rule out (variations in dimensions it does not rank, plans it cannot
-    trace) keep the study going."""
+    it). Waiting trials the model cannot rule out (variations in dimensions it does not rank, a precision no trial
+    has measured, plans it cannot trace, the points queued once it was contradicted) keep the study going."""
 
     def __init__(self, *, space: SearchSpace, speed: SearchSpeed, best: Callable[[Any], float | None],
                  candidates: Callable[[set[str]], list[tuple[dict[str, Any], Plan]]],
@@ -91,10 +163,15 @@ class StopWhenConfirmed:
             predicted = self.speed.predict(plan)
             if predicted is None or predicted.samples_per_second * margin >= best:
                 return  # it may still win
+        precisions = {t.params.get("precision") for t in measured}
         for waiting in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             params = enqueued_params(waiting)
             if self.projection(params) in done and any(k not in self.names for k in params):
                 return  # a variation of a measured plan in a dimension the model does not rank
+            if "precision" in params and params["precision"] not in precisions:
+                return  # a precision no trial measured: the model's least sure choice, queued to be measured
+            if waiting.user_attrs.get(GUIDED) == -1:
+                return  # queued once the model was contradicted: what it may rank wrongly, to be measured
         self.stopped = True
         log.info("autotune: stopping the search: no unmeasured plan is predicted to beat %.1f samples/s (model "
                  "error %s over %d trials)", best, "unknown" if error is None else f"{error:.0%}", len(measured))
@@ -162,5 +239,5 @@ def learn_speed(study: Any, speed: SearchSpeed, devices: int) -> None:
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         if attrs.get("source") == "measured" and attrs.get("status") == "ok" and attrs.get("samples_per_second"):
-            plan = plan_for(t.params, attrs.get("micro_batch_size"), devices)
+            plan = plan_for(t.params, attrs.get("micro_batch_size"), devices, attrs.get("recompute"))
             speed.observe(plan, attrs["samples_per_second"])

@@ -23,10 +23,10 @@ from typing import Any
 
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_for
-from autotune._search.choose import over_budget_by
+from autotune._search.figures import over_budget_by, run_peak
 from autotune._search.cost import simplicity
 
-__all__ = ["PINNED", "RUNG", "ladder", "next_rung", "plain_point", "plainest", "walk_ladder"]
+__all__ = ["PINNED", "RUNG", "halving_key", "ladder", "next_rung", "plain_point", "plainest", "walk_ladder"]
 
 #: A trial's user attribute: the micro-batch of halving's ladder it measures.
 RUNG = "halving_rung"
@@ -95,8 +95,8 @@ def _answers(study: Any, budget_bytes: int) -> dict[str, str]:
             continue
         if status == "error":
             out.setdefault(key, "error")
-        elif status == "oom" or (peak is not None and over_budget_by(peak, attrs.get("peak_noise_bytes"),
-                                                                      budget_bytes) > 0):  # estimated far over, too
+        elif status == "oom" or (peak is not None and over_budget_by(*run_peak(attrs), budget_bytes) > 0):
+            # a run's projected peak over the budget (halving's run would land below it), or estimated far over
             out[key] = "over"
         elif status in ("ok", "pruned") and peak is not None:
             out.setdefault(key, "fits")
@@ -118,6 +118,21 @@ def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: 
             return rung
         if answer != "over":
             return None
+    return None
+
+
+def halving_key(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: int,
+                devices: int = 1) -> str | None:
+    """The plan key of halving's plan: the first rung of the ladder that fits (None when none was measured to fit)."""
+    point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
+    for micro in ladder(batch_size):
+        rung = rung_params(space, point, micro)
+        if rung is None or rung[1] in seen:
+            continue
+        seen.add(rung[1])
+        key = plan_for(rung[0], rung[1], devices).key()
+        if answers.get(key) != "over":
+            return key if answers.get(key) == "fits" else None
     return None
 
 

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from autotune._plan.plan import Plan
 
@@ -20,8 +20,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("autotune")
 
 
+#: On a CPU, the share of the tensors a plan saves against the default plan (recomputation, 16-bit activations) that
+#: the process keeps resident anyway (the C allocator keeps what was freed): measured about half (memory.py notes).
+KEPT_BACK = 0.5
 _FAILED = object()  # the estimator could not tell
-_TRACING = threading.Lock()  # the estimator's module hooks are process-wide: one trace at a time (searches in threads)
+_TRACING = threading.RLock()  # the estimator's module hooks are process-wide: one trace at a time (searches in
+# threads); re-entered where a plan's baseline needs another shape traced (``_kept_back`` inside ``largest_micro``)
+
+
+class ShortRun(NamedTuple):
+    """A short run of the process baseline's (:meth:`SearchEstimator.measure_baseline`): its plan and what it measured."""
+
+    plan: Plan
+    result: Any  # autotune._search.records.TrialResult
 
 
 class SearchEstimator:
@@ -71,6 +82,12 @@ class SearchEstimator:
         self.batch_sizes: BatchSizes | None = None  # of the batches read, once the estimator first ran
         self._warned = False
         self._traces: dict[str, Any] = {}  # by plan without its micro-batch: each micro-batch traced once
+        # activation_checkpointing="auto": the budget it chooses for and the device speeds it prices recompute on
+        # (set by the search), and its choices by plan and calibrations
+        self.recompute_budget: int | None = None
+        self.recompute_speed: Callable[[], Any] | None = None
+        self._chosen: dict[tuple[str, int], Plan] = {}
+        self._recompute_traced: dict[Any, Any] = {}  # the choices' traces, kept across calibrations
 
     @property
     def batch(self) -> Any:
@@ -79,18 +96,42 @@ class SearchEstimator:
         return self._batch
 
     def measure_baseline(self, *, target: str, config: str | None, timeout: float = 600.0,
-                         meanwhile: Sequence[Plan] = ()) -> None:
+                         meanwhile: Sequence[Plan] = (), budget_bytes: int | None = None) -> ShortRun | None:
         """On CPU, measure what a trial's process holds besides the tensors the estimator counts: one short trial of
-        ``target`` at micro-batch 1, its peak (resident set net of file pages) less its estimate. Nothing on CUDA.
-        While that trial runs (only its memory counts, not its speed), its plan and then ``meanwhile`` are traced.
+        ``target`` at micro-batch 1, its peak (resident set net of file pages) less its estimate; then a second at
+        the largest micro-batch of the default plan predicted to fit ``budget_bytes`` and half the host's free
+        memory (:meth:`second_micro`), which gives the default shape's baseline as it grows with the micro-batch:
+        every shape not measured yet takes that line. Nothing on CUDA. While the first trial runs (only its memory
+        counts, not its speed), its plan and then ``meanwhile`` are traced.
 
-        Micro-batch 1, although it takes a pass per sample: its blocks are small, so the resident set is the process
-        and its tensors. At a middling micro-batch glibc serves blocks under its mmap threshold (up to 32 MiB) from
-        its heap and keeps them resident after they are freed: a baseline measured there (123 MiB more on the test
-        suite's hungry target at micro-batch 13) would shrink every plan's predicted room."""
+        Micro-batch 1 first, although it takes a pass per sample: its blocks are small, so the resident set is the
+        process and its tensors. At a larger micro-batch glibc serves blocks under its mmap threshold (up to 32 MiB)
+        from its heap and keeps them resident after they are freed: the process grows with the micro-batch faster
+        than its tensors (a 4-layer Llama, batch 32: 319 MiB besides its tensors at micro-batch 1, 387 MiB at 32).
+        A single baseline at micro-batch 1 put that run's peak 13% low; the line puts the plain shape within 4%.
+
+        Returns the second run (its plan and result, samples/s too: a measurement of speed on this host, which a
+        caller may calibrate the step-time model with), or None where there was none."""
         if self.device.type == "cuda":
-            return
+            return None
         from autotune._search.trial import TrialSpec, run_trial
+
+        def short_run(plan: Plan, steps: int, while_running: Callable[[], None] | None = None) -> ShortRun | None:
+            result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None,
+                                         device="cpu", steps=steps, warmup=1), timeout=timeout,
+                               while_running=while_running)
+            if result.status == "ok" and result.peak_bytes:
+                self.calibrate(plan, result.peak_bytes)
+                return ShortRun(plan, result)
+            if result.target_error:  # the target's own code failed in a plain run: no plan can run it
+                from autotune._target.failure import TargetCodeError
+
+                raise TargetCodeError(result.target_error)
+            log.warning("autotune: the process baseline could not be measured at micro-batch %s (%s); %s",
+                        plan.micro_batch_size, result.reason or result.status,
+                        "using this process's memory now" if plan.micro_batch_size == 1 else
+                        "every shape takes the baseline at micro-batch 1")
+            return None
 
         plan = Plan(micro_batch_size=1)
 
@@ -98,13 +139,26 @@ class SearchEstimator:
             for each in (plan, *meanwhile):
                 self.tensors(each)
 
-        result = run_trial(TrialSpec(target=target, config=config, plan=plan.to_dict(), budget=None, device="cpu",
-                                     steps=1, warmup=1), timeout=timeout, while_running=trace)
-        if result.status == "ok" and result.peak_bytes:
-            self.calibrate(plan, result.peak_bytes)
-        else:
-            log.warning("autotune: the process baseline could not be measured (%s); using this process's memory "
-                        "now", result.reason or result.status)
+        if short_run(plan, 1, trace) is None:
+            return None
+        second = self.second_micro(budget_bytes)
+        return None if second is None else short_run(Plan(micro_batch_size=second), 2)  # the heap grows a step more
+
+    def second_micro(self, budget_bytes: int | None) -> int | None:
+        """The micro-batch of the baseline's second short run: the largest of the default plan's, evened out, predicted
+        to fit ``budget_bytes`` (None: no cap) and half the host's free memory; None when that is micro-batch 1 or
+        the estimator cannot tell."""
+        import psutil
+
+        room = psutil.virtual_memory().available // 2 + self.baseline
+        if budget_bytes is not None:
+            room = min(room, budget_bytes)
+        micro = self.largest_micro(Plan(), room, self._size())
+        return micro if micro > 1 else None
+
+    def _size(self) -> int:
+        result = self._call(lambda traces: traces.size, Plan())
+        return 1 if result is _FAILED else int(result)
 
     def tensors(self, plan: Plan) -> int | None:
         """The estimator's peak of ``plan`` (tensor bytes); None when it cannot tell."""
@@ -113,7 +167,10 @@ class SearchEstimator:
 
     def inert(self, plan: Plan) -> dict[str, str]:
         """The settings of ``plan`` that apply to nothing for the target (:mod:`autotune._estimate.inert`), each with
-        why, from its step traced at one sample; empty when the estimator cannot tell."""
+        why, from its step traced at one sample; empty when the estimator cannot tell. ``"auto"`` checkpointing is
+        judged as checkpointing every block: whether recomputing could apply to anything."""
+        if plan.activation_checkpointing == "auto" and plan.recompute is None:
+            plan = plan.replace(activation_checkpointing=1.0)
         result = self._call(lambda traces: (traces.at(1), traces.inert)[1], plan)
         return {} if result is _FAILED else dict(result)
 
@@ -194,25 +251,76 @@ class SearchEstimator:
         key = shape_of(plan).key()
         for measured, peak in self._pending.pop(key, []):
             self.calibrate(measured, peak)
-        return self._baseline_at(key, plan.micro_batch_size or math.inf)  # None: the whole batch
+        return self._baseline_at(key, plan.micro_batch_size or math.inf, plan)  # None: the whole batch
 
-    def _baseline_at(self, key: str, micro: float) -> int:
+    def _baseline_at(self, key: str, micro: float, plan: Plan | None = None) -> int:
         """Return shape ``key``'s baseline at ``micro``, interpolated between its own measurements.
 
         On CPU the points also hold the first baseline measured, at its micro-batch: the short run's at micro-batch 1,
-        the process with few tensors, which any shape has below its own. On CUDA the context is an estimate, not a
-        measurement, so a shape's own points are used alone. Beyond them the nearest below or above is taken, since
-        much of a CUDA gap need not shrink with the micro-batch. A shape not measured takes the first baseline."""
+        the process with few tensors, which any shape has below its own. A shape not measured takes the default
+        shape's line (the baseline's two short runs, and its trials), the process growing with the micro-batch as
+        the default's does. On CUDA the context is an estimate, not a measurement, so a shape's own points are used
+        alone, beyond them the nearest below or above (much of a CUDA gap need not shrink with the micro-batch), and
+        a shape not measured takes the first baseline."""
         own = self._shape_baselines.get(key)
-        if not own:
-            return self.baseline
-        return interpolated(own if self.device.type == "cuda" else {self._first_micro: self.baseline, **own}, micro)
+        if self.device.type == "cuda":
+            return interpolated(own, micro) if own else self.baseline
+        if own:
+            return interpolated({self._first_micro: self.baseline, **own}, micro)
+        default = self._shape_baselines.get(shape_of(Plan()).key())
+        line = interpolated({self._first_micro: self.baseline, **(default or {})}, micro)
+        return line + self._kept_back(plan, micro) if default else line
+
+    def _kept_back(self, plan: Plan | None, micro: float) -> int:
+        """What the C allocator keeps resident of the tensors ``plan`` saves against the default plan at the same
+        micro-batch: :data:`KEPT_BACK` of the saving (recomputation and 16-bit activations free the heap's blocks,
+        glibc keeps them; a 4-layer Llama's and the example GPT's full checkpointing saved 80 and 5.9 MiB of tensors
+        at micro-batch 32, their resident sets 41 and 3.1)."""
+        if plan is None or not math.isfinite(micro):
+            return 0
+        mine, default = self.tensors(plan.replace(micro_batch_size=int(micro))), self.tensors(
+            Plan(micro_batch_size=int(micro)))
+        return int(KEPT_BACK * max(0, default - mine)) if mine is not None and default is not None else 0
+
+    def resolved(self, plan: Plan) -> Plan:
+        """``plan`` with ``activation_checkpointing="auto"`` chosen (:func:`autotune.choose_recompute`) for its
+        micro-batch (None: the whole batch) in the search's budget less the plan's baseline, once per calibration;
+        any other plan as it is. A choice of nothing or of every block whole is that plan (``0.0``, ``1.0``): one step,
+        one plan, measured once. Without a budget set (outside a search), or for a model without repeated blocks, the
+        plan with every block checkpointed stands in (the least memory ``auto`` can reach)."""
+        if plan.activation_checkpointing != "auto" or plan.recompute is not None:
+            return plan
+        if self.recompute_budget is None or self.recompute_speed is None:
+            return plan.replace(activation_checkpointing=1.0)
+        key = (plan.key(), self.calibrations)
+        if key not in self._chosen:
+            from autotune._estimate.recompute import choose
+
+            from autotune._transforms.blocks import find_blocks
+
+            if self._call(lambda traces: traces.size, Plan()) is _FAILED:
+                return plan
+            if not find_blocks(self.target.model):  # nothing to choose among: as inert as checkpointing every block
+                return plan.replace(activation_checkpointing=1.0)
+            # the baseline of every block checkpointed (the choice's own depends on the choice)
+            room = max(self.recompute_budget - self.baseline_for(plan.replace(activation_checkpointing=1.0)), 1)
+            with _TRACING:
+                self._chosen[key] = choose(model=self.target.model, batch=self._batch, plan=plan, budget_bytes=room,
+                                           device=self.device, speed=self.recompute_speed(),
+                                           traced_before=self._recompute_traced).plan.replace(
+                    micro_batch_size=plan.micro_batch_size)
+                levels = set(self._chosen[key].recompute or ())
+                if levels in ({"none"}, {"block"}):  # the step of no checkpointing or of every block: that plan
+                    self._chosen[key] = plan.replace(activation_checkpointing=0.0 if levels == {"none"} else 1.0)
+        return self._chosen[key]
 
     def _call(self, fn: Callable[[Any], Any], plan: Plan) -> Any:
-        """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once."""
+        """``fn(traces)`` with the traces of ``plan``'s shape (the plan without its micro-batch), made once (an
+        ``"auto"`` checkpointing plan: its choice's, :meth:`resolved`)."""
         from autotune._estimate.estimate import longest_batch
         from autotune._estimate.trace import Traces
 
+        plan = self.resolved(plan)
         try:
             with _TRACING:
                 if self._batch is None:  # where lengths vary, micro-batches are estimated on the longest batch seen
@@ -225,11 +333,26 @@ class SearchEstimator:
                                                                 trace=self.trace)
                 return fn(traces)
         except Exception as err:  # the estimator is an aid: a plan it cannot trace is still measured
+            failure = self._target_failure(err, plan)
+            if failure is not None:  # unless the target's own code fails: no plan can run it
+                raise failure from err
             if not self._warned:
                 self._warned = True
                 log.warning("autotune: the estimator cannot trace this target (%s: %s); %s",
                             type(err).__name__, " ".join(str(err).split())[:200], self.unestimated)
             return _FAILED
+
+    def _target_failure(self, err: Exception, plan: Plan) -> Exception | None:
+        """``err`` as the target's own failure (:func:`autotune._target.failure.target_failure`): reading its batches,
+        or its step at ``plan``'s shape where the plainest step fails too (traced here first: a failure of this plan
+        alone is a note, and its trials are measured)."""
+        from autotune._target.failure import target_failure
+
+        failure = target_failure(err, spec=self.target.spec, traced=True)
+        if failure is None or self._batch is None or shape_of(plan).key() == shape_of(Plan()).key():
+            return failure
+        self.tensors(Plan(micro_batch_size=1))  # raises the plain step's failure where it is the target's
+        return None
 
     def peak(self, plan: Plan) -> int | None:
         """The predicted peak in the search's measure: tensors plus the baseline (CPU: the process's; CUDA: the
@@ -246,14 +369,18 @@ class SearchEstimator:
 
     def largest_micro(self, plan: Plan, budget_bytes: int, batch_size: int) -> int:
         """The largest micro-batch predicted to fit, evened out (:func:`even_micro_batches`); 1 when none is, the
-        whole batch when the estimator fails."""
+        whole batch when the estimator fails. An ``"auto"`` checkpointing plan not chosen yet: the largest that fits
+        with every block recomputed (its choice at that micro-batch then recomputes no more than it needs)."""
         from autotune._estimate.result import largest_fitting
+
+        if plan.activation_checkpointing == "auto" and plan.recompute is None:
+            plan = plan.replace(activation_checkpointing=1.0)
 
         self.baseline_for(plan)  # calibrates from the shape's measurements kept until now, before tracing
         key = shape_of(plan).key()
 
         def peak(traces: Any, m: int) -> int:
-            return traces.at(m).predicted_peak_bytes + self._baseline_at(key, m)
+            return traces.at(m).predicted_peak_bytes + self._baseline_at(key, m, plan.replace(micro_batch_size=m))
 
         micro = self._call(lambda traces: largest_fitting(even_micro_batches(traces.size),
                                                           lambda m: peak(traces, m), budget_bytes), plan)

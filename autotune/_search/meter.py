@@ -22,9 +22,12 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from autotune._search.records import TrialResult, TrialSpec
+from autotune._search.growth import CPU_CREEP, run_peak_of
+from autotune._search.records import TRIAL_PID, TrialResult, TrialSpec
+from autotune._search.stats import t95
 
 __all__ = ["Meter", "extra_warmup", "peak_flops_per_second", "relative_half_width", "throughput", "warmed_up"]
+
 
 #: Timed steps a trial takes at least before its interval may stop it, for speed or for precision (below 5, a lucky
 #: run of similar steps gives a narrow interval that misses: optional stopping). A trial is stopped as too slow only
@@ -40,16 +43,6 @@ def extra_warmup(steps: int) -> int:
     """Warm-up steps a trial of at most ``steps`` timed steps may add: ``EXTRA_WARMUP``, or ``steps`` if fewer (a
     short measurement asked for is not made long by its warm-up)."""
     return min(EXTRA_WARMUP, steps)
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom 1..30 (normal beyond).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t95(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom (``df >= 1``)."""
-    return _T95[df - 1] if df <= len(_T95) else (2.0 if df <= 60 else 1.96)
-
 
 def throughput(durations: Sequence[float], samples_per_step: float) -> tuple[float, float, float]:
     """Samples/s over ``durations`` (seconds per step) and its 95% interval ``(rate, low, high)``.
@@ -120,6 +113,8 @@ class Meter(Callback):
         self.allocated_peak: int | None = None  # CUDA: the largest step's tensor peak
         self.allocated_steps: list[int] = []  # CUDA: each step's tensor peak
         self.context: int | None = None
+        self.window: Any = None  # the load the timed steps ran beside (autotune._device.load.LoadWindow)
+        self.load: dict[str, Any] | None = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.first_step is None:
@@ -160,9 +155,24 @@ class Meter(Callback):
         if decision == _TIMING_STARTS and not self.marks:
             self.marks = [now]
             self.timed_from = len(self.step_peaks)  # the peaks of the timed steps are the steady ones
+            self._watch_load()
         elif decision in (_ENOUGH, _TOO_SLOW):
             self.pruned = decision == _TOO_SLOW
             trainer.should_stop = True
+            self._load_seen()
+
+    def _watch_load(self) -> None:
+        import os
+
+        from autotune._device.load import LoadWindow
+
+        root = os.environ.get(TRIAL_PID)  # the trial's process: its ranks and workers are this run's own work
+        self.window = LoadWindow(int(root) if root else None)
+        self.window.start()
+
+    def _load_seen(self) -> None:
+        if self.window is not None and self.load is None:
+            self.load = self.window.stop().as_dict()
 
     def _decide(self) -> int:
         if not self.marks:
@@ -205,6 +215,7 @@ class Meter(Callback):
         return max(steady) - min(steady) if len(steady) > 1 else None
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._load_seen()  # the data ran out before the meter stopped the run
         cuda = pl_module.device.type == "cuda"
         context = _context_bytes(pl_module.device)  # CUDA: None where NVML does not list the process
         self.peak = max(self.step_peak, self._peak(pl_module)) + (context or 0)
@@ -233,14 +244,22 @@ class Meter(Callback):
             return TrialResult("error", reason="no timed step: the data ran out before warm-up ended")
         rate, low, high = throughput(durations, self.samples_per_step())
         per_sample = self.flops / self.counted_samples if self.flops else None
+        peak = getattr(self, "peak", None)
+        run_peak, run_noise = run_peak_of(self.step_peaks, timed_from=self.timed_from, peak=peak,
+                                          creep=0.0 if self.spec.device.startswith("cuda") else CPU_CREEP)
         peak_flops = peak_flops_per_second(self.spec.device, self.spec.plan.get("precision", "32-true"))
         return TrialResult(
             "pruned" if self.pruned else "ok",
             samples_per_second=rate,
             interval=(low, high) if math.isfinite(high) and self.marks else None,
             tokens_per_second=rate * self.tokens if self.tokens else None,
-            peak_bytes=getattr(self, "peak", None),
+            peak_bytes=peak,
             peak_noise_bytes=self.peak_noise(),
+            step_peaks=list(self.step_peaks) or None,
+            timed_from=self.timed_from,
+            run_peak_bytes=run_peak,
+            run_noise_bytes=run_noise,
+            load=self.load,
             allocated_peak_bytes=self.allocated_peak,
             context_bytes=self.context,
             allocated_step_peaks=self.allocated_steps or None,

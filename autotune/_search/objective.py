@@ -3,6 +3,7 @@ the estimate, or run it in a fresh process; record the memory constraint against
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -11,20 +12,22 @@ from autotune._device.budget import ResolvedBudget, format_bytes
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, SearchSpace, plan_for
 from autotune._search.auto import AutoMicro
-from autotune._search.choose import figures, over_budget_by, run_of
+from autotune._search.figures import figures, over_budget_by, run_of, run_peak
 from autotune._search.confirm import observe_trial, predicted_best_first
 from autotune._search.halving import PINNED
 from autotune._search.memory import SearchEstimator
-from autotune._search.speed import SearchSpeed, ranked_candidates, with_variations
+from autotune._search.speed import SearchSpeed, by_precision, ranked_candidates, with_variations
 from autotune._search.storage import worker_id
 from autotune._search.trial import TrialResult, TrialSpec, run_trial
 
-__all__ = ["EARLY_STOP_SHARE", "ESTIMATE_REJECT_FACTOR", "Objective", "TrialCrashed"]
+__all__ = ["EARLY_STOP_SHARE", "ESTIMATE_REJECT_FACTOR", "PAIRED_STEPS", "Objective", "TrialCrashed"]
 
 #: A plan the estimator predicts above this multiple of the budget is recorded infeasible without running.
 ESTIMATE_REJECT_FACTOR = 1.5
 #: Stop a trial early when the top of its interval is below this share of the bottom of the second best plan's.
 EARLY_STOP_SHARE = 0.9
+#: Timed steps at most of a run in a paired comparison (``paired.py``): short runs keep a round's pair close in time.
+PAIRED_STEPS = 10
 
 
 class TrialCrashed(RuntimeError):
@@ -45,6 +48,8 @@ class Objective:
         self.auto = AutoMicro(estimator=self.estimator, budget_bytes=budget.budget_bytes,
                               batch_size=target_obj.batch_size(), devices=devices)
         self._long_dir: Any = None  # a TemporaryDirectory holding the long batch, once written
+        self.estimator.recompute_budget = budget.budget_bytes  # activation_checkpointing="auto" chooses for it
+        self.estimator.recompute_speed = lambda: self.speed.model.speed
 
     @property
     def budget_bytes(self) -> int:
@@ -57,8 +62,10 @@ class Objective:
         seeds = [plan_for(p, None, self.devices) for p in self.space.seeds]
         # the seeds are the first trials: their traces (an ``auto`` one's starts at the whole batch) are made while
         # the short run measures memory
-        self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout,
-                                        meanwhile=seeds)
+        run = self.estimator.measure_baseline(target=self.target, config=self.config, timeout=self.trial_timeout,
+                                              meanwhile=seeds, budget_bytes=self.budget_bytes)
+        if run is not None and run.result.samples_per_second:  # its second run timed a plan: a first calibration
+            self.speed.observe(run.plan, run.result.samples_per_second)
 
     def learn_context(self, study: Any) -> None:
         """CUDA: the context a resumed study's measured trials saw, for the shapes not measured yet."""
@@ -67,15 +74,21 @@ class Objective:
                 self.estimator.measured_context(t.user_attrs["context_bytes"])
 
     def first_trials(self, count: int) -> list[dict[str, Any]]:
-        """The predicted best point (the estimator's first ranked candidate), the space's seeds, then the other
-        ranked candidates not among them, ``count`` in all."""
+        """The predicted best point (the estimator's first ranked candidate), the space's seeds, the predicted best of
+        each other precision, then the other ranked candidates not among them, ``count`` in all."""
         seeds = [dict(p) for p in self.space.seeds]
-        batch_size = self.target_obj.batch_size()
-        ranked = ranked_candidates(
-            self.space, limit=count, batch_size=batch_size, devices=self.devices, cost=self.speed.seconds_per_sample,
-            resolve_micro=self.auto, peak=self.estimator.peak, budget_bytes=self.budget_bytes,
-            tensor_room=self.budget_bytes - self.estimator.baseline)
-        return predicted_best_first(seeds, with_variations(self.space, ranked))[:max(count, len(seeds) + 1)]
+        ranked = self.ranked(self.space, count)
+        covering = [found[0] for found in (self.ranked(sub, 1) for sub in by_precision(self.space)) if found]
+        first = predicted_best_first(seeds, with_variations(self.space, ranked), covering)
+        return first[:max(count, len(predicted_best_first(seeds, ranked[:1], covering)))]
+
+    def ranked(self, space: SearchSpace, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` points of ``space`` predicted to fit, the fastest predicted first (the model as its trials
+        have corrected it so far)."""
+        return ranked_candidates(
+            space, limit=limit, batch_size=self.target_obj.batch_size(), devices=self.devices,
+            cost=self.speed.seconds_per_sample, resolve_micro=self.auto, peak=self.estimator.peak,
+            budget_bytes=self.budget_bytes, tensor_room=self.budget_bytes - self.estimator.baseline)
 
     def __call__(self, trial: Any) -> float:
         import optuna
@@ -108,7 +121,10 @@ class Objective:
                 self.auto.hold(params, trial.user_attrs["auto_ceiling"])
             micro = self.auto(params)
             trial.set_user_attr("auto_micro_batch_size", micro)
-        plan = plan_for(params, micro, self.devices)
+        plan = self.estimator.resolved(plan_for(params, micro, self.devices))
+        if params.get("activation_checkpointing") == AUTO:  # what it chose: the trial's plan, and the tuned file's
+            chosen = list(plan.recompute) if plan.recompute is not None else plan.activation_checkpointing
+            trial.set_user_attr("recompute", chosen)
         trial.set_user_attr("micro_batch_size", plan.micro_batch_size)
         trial.set_user_attr("plan", plan.describe())
         trial.set_user_attr("plan_key", plan.key())
@@ -143,12 +159,13 @@ class Objective:
             self.estimator.measured_context(result.context_bytes)
         if result.status == "oom" and not pinned:
             self._auto_ran_out(trial, params, plan.micro_batch_size)
-        if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, result.peak_bytes,
-                                                                                     lazily=True):
+        # the peak a run of the plan reaches (its trial's, with the creep its steps show) calibrates its shape
+        projected, noise = run_peak(result.as_attrs())
+        if result.status == "ok" and result.peak_bytes and self.estimator.calibrate(plan, projected, lazily=True):
             if params.get("micro_batch_size") == AUTO and not pinned:
                 # 'auto' is the largest micro-batch that fits: measured, the shape has more room than predicted, or
                 # less (over the budget), so its choice moves: try it again, next
-                fits = over_budget_by(result.peak_bytes, result.peak_noise_bytes, self.budget_bytes) <= 0
+                fits = over_budget_by(projected, noise, self.budget_bytes) <= 0
                 again = self.auto(params)
                 if (fits and again > micro) or (not fits and again < micro):
                     trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number})
@@ -190,8 +207,8 @@ class Objective:
         peak = result.peak_bytes
         if result.status == "oom":
             over = (peak - self.budget_bytes) / self.budget_bytes if peak and peak > self.budget_bytes else 1.0
-        elif peak is not None:  # within its steps' noise of the budget: fits, at a cost the choice counts (edge.py)
-            over = over_budget_by(peak, result.peak_noise_bytes, self.budget_bytes) / self.budget_bytes
+        elif peak is not None:  # a run's projected peak within its noise of the budget: fits, at a cost (edge.py)
+            over = over_budget_by(*run_peak(result.as_attrs()), self.budget_bytes) / self.budget_bytes
         else:
             over = 1.0  # nothing measured: not known to fit
         trial.set_constraint("memory", over)  # every path: feasible when <= 0
@@ -213,7 +230,7 @@ class Objective:
                 attrs = other.user_attrs
                 trial.set_user_attr("cached_from", other.number)
                 figures = ("samples_per_second", "tokens_per_second", "peak_bytes", "peak_noise_bytes",
-                           "allocated_peak_bytes", "context_bytes")
+                           "run_peak_bytes", "run_noise_bytes", "allocated_peak_bytes", "context_bytes")
                 result = TrialResult(attrs.get("status", "ok"), reason=attrs.get("reason", ""),
                                      **{name: attrs.get(name) for name in figures})
                 return result, attrs.get("source") == "measured"
@@ -237,6 +254,9 @@ class Objective:
             trial.study.enqueue_trial(params, user_attrs={"auto_again_of": trial.number, "auto_ceiling": ceiling})
 
     def remeasure(self, trial: Any) -> dict[str, Any]:
-        """Measure ``trial``'s plan once more (a contender for best); the run's record."""
-        plan = plan_for(trial.params, trial.user_attrs.get("micro_batch_size"), self.devices)
-        return run_of(run_trial(self._spec(plan), timeout=self.trial_timeout).as_attrs())
+        """Measure ``trial``'s plan once more (one side of a paired round: at most ``PAIRED_STEPS`` timed steps, so
+        that a round's two runs are close in time); the run's record."""
+        plan = plan_for(trial.params, trial.user_attrs.get("micro_batch_size"), self.devices,
+                        trial.user_attrs.get("recompute"))
+        spec = dataclasses.replace(self._spec(plan), steps=min(self.steps, PAIRED_STEPS))
+        return run_of(run_trial(spec, timeout=self.trial_timeout).as_attrs())

@@ -12,7 +12,10 @@ from typing import Any
 
 from autotune._device.budget import ResolvedBudget
 
-__all__ = ["TrialResult", "TrialSpec"]
+__all__ = ["TRIAL_PID", "TrialResult", "TrialSpec"]
+
+#: The environment variable holding the trial process's pid (set by the trial, inherited by its ranks and workers).
+TRIAL_PID = "AUTOTUNE_TRIAL_PID"
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,11 @@ class TrialResult:
     interval of ``samples_per_second`` over this run's timed steps (None when it is unbounded); ``peak_noise_bytes``
     how much the timed steps' peaks varied (a search ranks a plan whose peak is within it of the budget by the
     samples/s a run of it can be expected to give); ``warmup_steps`` how many steps ran before timing started (more
-    than asked while the step time was settling).
+    than asked while the step time was settling). ``step_peaks`` are every step's peaks in order (rank 0's) and
+    ``run_peak_bytes`` the peak a training run is projected to reach as its steps' peaks creep (the trend of the
+    timed steps' peaks carried to a run's length: :mod:`autotune._search.growth`), with ``run_noise_bytes`` the
+    scatter about that trend; ``load`` what the timed steps ran beside (:class:`autotune._device.load.LoadRecord`:
+    this run's CPU per wall second, the cores its host's other processes kept busy, steal).
 
     Example:
         >>> TrialResult("oom", reason="CUDA out of memory").status
@@ -79,6 +86,11 @@ class TrialResult:
     allocated_peak_bytes: int | None = None  # CUDA: the largest step's peak of tensor bytes
     context_bytes: int | None = None  # CUDA: the context in peak_bytes
     allocated_step_peaks: list[int] | None = None  # CUDA: each step's peak of tensor bytes, in order (rank 0's)
+    step_peaks: list[int] | None = None  # each step's peak in the budget's measure, in order (rank 0's)
+    timed_from: int | None = None  # the index in step_peaks of the first timed step
+    run_peak_bytes: int | None = None  # the peak a run of run_steps steps is projected to reach (growth.py)
+    run_noise_bytes: int | None = None  # how much a step's peak scatters about that projection's trend
+    load: dict[str, Any] | None = None  # what the timed steps ran beside (autotune._device.load.LoadRecord)
     steps_timed: int = 0
     warmup_steps: int = 0
     flops_per_sample: float | None = None
@@ -87,6 +99,9 @@ class TrialResult:
     wall_seconds: float | None = None
     reason: str = ""
     trainer_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # "error" where the target's own code failed (:mod:`autotune._target.failure`): what failed, while doing what, and
+    # the user's frames, a line each; None for any other error
+    target_error: list[str] | None = None
 
     def as_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

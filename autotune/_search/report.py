@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from autotune._device.budget import format_bytes
-from autotune._search.choose import chosen, over_budget_by, remeasured_runs
+from autotune._device.load import busy
+from autotune._search.figures import chosen, over_budget_by, remeasured_runs, run_peak
 from autotune._search.edge import overflow_chance
+from autotune._search.stopping import STOPPED_BY_TARGET
 from autotune._search.storage import open_storage
 
 
@@ -44,14 +46,15 @@ def _rows(study: Any) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         peak = attrs.get("peak_bytes")
+        projected, noise = run_peak(attrs)
         fits = None if peak is None or budget is None else (
-            over_budget_by(peak, attrs.get("peak_noise_bytes"), budget) <= 0
-            and attrs.get("status") in ("ok", "pruned"))
+            over_budget_by(projected, noise, budget) <= 0 and attrs.get("status") in ("ok", "pruned"))
         rows.append({
             "trial": t.number, "state": t.state.name.lower(), "status": attrs.get("status", ""),
             "plan": attrs.get("plan", str(t.params)), "samples_per_second": attrs.get("samples_per_second"),
             "interval": attrs.get("interval"), "peak_bytes": peak, "fits": fits, "source": attrs.get("source", ""),
-            "edge": bool(fits) and overflow_chance(peak, attrs.get("peak_noise_bytes"), budget) > 0,
+            "edge": bool(fits) and overflow_chance(projected, noise, budget) > 0,
+            "run_peak_bytes": projected if peak is not None else None, "busy": busy(attrs.get("load")),
             "reason": attrs.get("reason") or ("interrupted (Ctrl-C or a lost worker); a resumed search runs it again"
                                               if attrs.get("status") == "interrupted" else ""),
             "chosen": choice.get("trial") == t.number,
@@ -81,7 +84,7 @@ def trial_table(study: Any) -> str:
              f"space {study.user_attrs.get('space', '?')}"]
     rows = _rows(study)
     cuda = any(r["allocated_peak_bytes"] is not None for r in rows)  # the peak's parts, where a trial measured them
-    header = (f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>8} {'peak':>11} {'predicted':>13} "
+    header = (f"{'#':>5}  {'state':<8} {'samples/s':>10} {'95% int.':>9} {'peak':>11} {'predicted':>13} "
               + (f"{'tensors':>11} {'est. tensors':>12} " if cuda else "") + f"{'fits':<4}  plan / reason")
     lines += [header, "-" * len(header)]
     for r in rows:
@@ -93,7 +96,7 @@ def trial_table(study: Any) -> str:
         why = f"  [{r['source']}: {r['reason']}]" if r["reason"] else (f"  [{r['source']}]" if r["source"] else "")
         again = f"  (measured again: {', '.join(f'{x:.1f}' for x in r['remeasured'])})" if r["remeasured"] else ""
         mark = "*" if r["chosen"] else " "
-        half = _half(r["interval"], r["samples_per_second"])
+        half = _half(r["interval"], r["samples_per_second"]) + ("!" if r["busy"] else " ")
         tensors = "" if not cuda else " ".join(
             f"{'-' if r[k] is None else format_bytes(r[k]):>{w}}"
             for k, w in (("allocated_peak_bytes", 11), ("predicted_tensor_bytes", 12))) + " "
@@ -108,6 +111,9 @@ def trial_table(study: Any) -> str:
         lines.append(f"peak: the allocator's peak reserve plus the CUDA context ({context}); predicted: the "
                      "estimator's tensors plus the context estimate and its plan shape's gap measured by earlier "
                      "trials; tensors: the trial's peak of bytes allocated, est. tensors: the estimator's")
+    if any(r["busy"] for r in rows):
+        lines.append("'!' after the interval: timed beside a busy host (other processes kept a quarter of its cores or "
+                     "more busy); the choice compares plans in paired runs, not by these figures alone")
     if any(r["edge"] for r in rows):
         lines.append("fits 'edge': its peak's noise reaches the budget; ranked by the samples/s a run can be expected "
                      "to give, counting the runtime's fallback to half the micro-batch when it overflows")
@@ -115,6 +121,9 @@ def trial_table(study: Any) -> str:
     if marks:
         lines.append("predicted: " + "; ".join(f"'{_METHOD_MARK[m].strip()}' {_METHOD_LEGEND[m]}" for m in marks))
     lines += _model_lines(study)
+    stopped = study.user_attrs.get(STOPPED_BY_TARGET)
+    if stopped:
+        lines += ["the search stopped: the target's own code failed:", *(f"  {line.strip()}" for line in stopped)]
     choice = chosen(study)
     if choice:
         low, high = choice["interval"]
@@ -123,8 +132,37 @@ def trial_table(study: Any) -> str:
                      f"{choice['samples_per_second']:.1f} samples/s "
                      f"(mean of {runs} run{'s' if runs > 1 else ''}, interval [{low:.1f}, {high:.1f}]), peak "
                      f"{format_bytes(choice['peak_bytes'])}")
-        lines += chosen_lines(choice)
+        lines += chosen_lines(choice) + micro_batch_lines(study, choice)
     return "\n".join(lines)
+
+
+def micro_batch_lines(study: Any, choice: dict[str, Any]) -> list[str]:
+    """Why the chosen plan's micro-batch is the one its tuned file runs at (its ``ElasticBatchSize`` does not grow past
+    it): how the larger micro-batches of the same plan fared, where any was tried."""
+    from optuna.trial import TrialState
+
+    if not choice:
+        return []
+    best = study.trials[choice["trial"]]
+    micro, batch = best.user_attrs.get("micro_batch_size"), study.user_attrs.get("batch_size")
+    if not micro or not batch or micro >= batch:
+        return []  # the whole batch: nothing larger to grow to
+    rest = {k: v for k, v in best.params.items() if k != "micro_batch_size"}
+    fared = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        larger, attrs = t.user_attrs.get("micro_batch_size"), t.user_attrs
+        if not larger or larger <= micro or larger in fared or attrs.get("source") == "cache" \
+                or {k: v for k, v in t.params.items() if k != "micro_batch_size"} != rest:
+            continue
+        if attrs.get("status") == "oom" or (attrs.get("peak_bytes") or 0) > study.user_attrs.get("budget_bytes", 1e30):
+            fared[larger] = f"micro {larger} did not fit (trial {t.number})"
+        elif attrs.get("samples_per_second"):
+            ratio = attrs["samples_per_second"] / choice["samples_per_second"] - 1
+            fared[larger] = f"micro {larger} measured {abs(ratio):.0%} {'slower' if ratio < 0 else 'faster'} " \
+                            f"(trial {t.number})"
+    why = "; ".join(fared[m] for m in sorted(fared)) or "no larger micro-batch of this plan was measured"
+    return [f"  runs at micro {micro} (its tuned file's ElasticBatchSize: grow false): {why}; grow: true lets it try "
+            "larger ones when memory allows"]
 
 
 def chosen_lines(choice: dict[str, Any]) -> list[str]:
@@ -134,16 +172,36 @@ def chosen_lines(choice: dict[str, Any]) -> list[str]:
     over = choice.get("simpler_than")
     if over:
         low, high = over["interval"]
+        why = ("as fast within measurement noise" if not choice.get("paired")
+               else "by the paired comparisons below")
         lines.append(f"  chosen over {over['plan']} ({over['expected_samples_per_second']:.1f}/s expected, interval "
-                     f"[{low:.1f}, {high:.1f}]): as fast within measurement noise, and that plan adds work "
-                     f"({', '.join(over['adds']) or 'more'})")
+                     f"[{low:.1f}, {high:.1f}]): {why}, and that plan adds work ({', '.join(over['adds']) or 'more'})")
     if choice.get("overflow_chance") and choice.get("fallback_samples_per_second") is not None:
         lines.append(f"  on the budget's edge: a run overflows with chance {choice['overflow_chance']:.2f}; expected "
                      f"{choice['expected_samples_per_second']:.1f}/s with the fallback to half the micro-batch "
                      f"({choice['fallback_samples_per_second']:.1f}/s) after it")
+    for v in choice.get("paired") or []:
+        lines.append(f"  paired: {v['against']} ({v['why']}) ran at {_ratio_text(v, v.get('incumbent_plan', '?'))}; "
+                     f"{v['verdict']}" + (f" ({v['stopped']})" if v.get("stopped") else ""))
     if choice.get("within_noise_of"):
         lines.append(f"  within measurement noise of: {'; '.join(choice['within_noise_of'])}")
     return lines
+
+
+def _ratio_text(v: dict[str, Any], incumbent: str) -> str:
+    """A paired comparison's record as ``"1.30x [1.26, 1.34] the samples/s of PLAN over 2 paired rounds"``."""
+    from autotune._search.paired import Ratio
+
+    ratio = Ratio.from_attrs(v)
+    extra = []
+    if ratio.busy_rounds:
+        extra.append(f"{ratio.busy_rounds} beside a busy host")
+    if ratio.rerun_rounds:
+        extra.append(f"{ratio.rerun_rounds} run again: a neighbour came or went between its runs")
+    high = f"{ratio.high:.2f}" if ratio.high != float("inf") else "inf"
+    rounds = len(ratio.rounds)
+    return (f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {high}] the samples/s of {incumbent} over {rounds} paired round"
+            f"{'s' if rounds != 1 else ''}" + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 def _model_lines(study: Any) -> list[str]:

@@ -22,17 +22,21 @@ from autotune._plan.plan import Plan
 from autotune._plan.provenance import Provenance
 from autotune._plan.space import SearchSpace, default_space_name, load_space, plan_for, quiet_list_choices
 from autotune._search.choose import Figure, choose, no_fit_message
-from autotune._search.confirm import chosen_prediction, learn_speed, stop_when_confirmed
-from autotune._search.halving import walk_ladder
+from autotune._search.confirm import (
+    GUIDED, FollowWhatIsMeasured, chosen_prediction, learn_speed, stop_when_confirmed,
+)
+from autotune._search.halving import halving_key, walk_ladder
 from autotune._search.inert import without_inert
 from autotune._search.objective import Objective, TrialCrashed
 from autotune._search.speed import guided_trials
-from autotune._search.stopping import OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, drop_interrupts, finished
+from autotune._search.stopping import (
+    OPTUNA_OPTIMIZE, MaxMeasured, StopOnFailures, finished, quiet_failures, recording_target_failure,
+)
 from autotune._search.storage import (
     digest, exclusive, open_storage, recover_dead_workers, requeue_interrupted, stamp_study, storage_file, study_name,
 )
 from autotune._search.trial import check_interval, check_positive_int, start_trial_server
-from autotune._search.twin import measure_twin
+from autotune._search.twin import measure_twin, twin_key
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +118,9 @@ def search(
     Raises:
         ValueError: for bad input (budget, target, space, storage, ``out``), before anything is written.
         NoFeasiblePlanError: when no plan fits, naming the smallest peak seen.
+        TargetCodeError: (a ``ValueError``) when the target's own code fails, whatever the plan: before the first
+            trial where the estimator or the short first run meets it (``lines``: the exception and the user's frames);
+            the study records it (``stopped_by_target``) and the same call resumes once it is fixed.
 
     Example:
         >>> result = search(target="examples/gpt/train.py:make", budget="2GiB", trials=10)  # doctest: +SKIP
@@ -211,6 +218,7 @@ def _open_study(cleanup: contextlib.ExitStack, checked: _Checked, *, target: str
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=guided)
     the_study = optuna.create_study(study_name=name, storage=stor, direction="maximize", sampler=sampler,
                                     load_if_exists=True)
+    cleanup.enter_context(recording_target_failure(the_study))  # the target's own code failing stops it: say so
     stamp_study(the_study, {
         "target": target, "budget": budget.text, "space": space_obj.name, "device": dev.type,
         "batch_size": batch_size, "devices": devices,
@@ -234,26 +242,32 @@ def _run_trials(cleanup: contextlib.ExitStack, opened: _Opened, *, trials: int, 
     """Run the study's trials up to ``trials`` (a new study's first ones queued: the seeds, then the estimator's
     ranking), then halving's ladder and the leader's plain twin, where they are due."""
     the_study, runner, space, budget_bytes = opened.study, opened.runner, opened.space, opened.budget.budget_bytes
+    failures = StopOnFailures(trials)
     if finished(the_study) < trials:
-        if not the_study.trials:  # a new study: its first trials are the seeds, then the estimator's ranking
+        # a new study (or one whose trials all failed, queued again: the target's code failed, fixed since), its
+        # first trials the seeds, then the estimator's ranking
+        if all(t.state.name == "FAIL" or (t.state.name == "WAITING" and "retry_of" in t.user_attrs)
+               for t in the_study.get_trials(deepcopy=False)):
             runner.measure_baseline()
             with exclusive(opened.storage):
-                for params in runner.first_trials(opened.guided):
-                    the_study.enqueue_trial(params, skip_if_exists=True)
+                for index, params in enumerate(runner.first_trials(opened.guided)):
+                    the_study.enqueue_trial(params, skip_if_exists=True, user_attrs={GUIDED: index})
         optimize_log = logging.getLogger(OPTUNA_OPTIMIZE)
-        optimize_log.addFilter(drop_interrupts)  # Ctrl-C: the CLI's one line only
-        cleanup.callback(optimize_log.removeFilter, drop_interrupts)
+        optimize_log.addFilter(quiet_failures)  # a failed trial: one line of ours; Ctrl-C: the CLI's one line only
+        cleanup.callback(optimize_log.removeFilter, quiet_failures)
         the_study.optimize(
             runner,
             n_trials=None,
             timeout=timeout,
-            callbacks=[MaxMeasured(trials, space.size()), StopOnFailures(trials),
+            callbacks=[MaxMeasured(trials, space.size()), failures,
+                       FollowWhatIsMeasured(lambda count: _unmeasured(the_study, runner, space, count),
+                                            room=lambda study: trials - finished(study)),
                        stop_when_confirmed(runner, space=space, budget_bytes=budget_bytes), *callbacks],
             catch=(TrialCrashed,),
         )
 
     def run_one() -> None:  # one more trial: halving's rung, the leader's plain twin (or a trial queued before)
-        the_study.optimize(runner, n_trials=1, catch=(TrialCrashed,), callbacks=callbacks)
+        the_study.optimize(runner, n_trials=1, catch=(TrialCrashed,), callbacks=[failures, *callbacks])
 
     walk_ladder(the_study, space, batch_size=opened.batch_size, budget_bytes=budget_bytes, devices=opened.devices,
                 wait_seconds=opened.trial_timeout, run_one=run_one)
@@ -261,9 +275,37 @@ def _run_trials(cleanup: contextlib.ExitStack, opened: _Opened, *, trials: int, 
                  wait_seconds=opened.trial_timeout)
 
 
+def _unmeasured(study: Any, runner: Objective, space: SearchSpace, count: int) -> list[dict[str, Any]]:
+    """Points of ``space`` neither measured nor queued, as the model ranks them once the study's trials have corrected
+    it: the fastest predicted of each precision first (a contradiction says the model compares precisions wrongly,
+    not plans of one precision), then the fastest predicted of all; ``count`` of them, or one per precision if more."""
+    from optuna.trial import TrialState
+
+    from autotune._compat.optuna import enqueued_params
+    from autotune._search.auto import point_key
+    from autotune._search.speed import by_precision, modelled_dimensions
+
+    names = set(modelled_dimensions(space))  # the ranked points' dimensions
+    taken = {point_key({k: v for k, v in (t.params or enqueued_params(t)).items() if k in names})
+             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                               TrialState.WAITING, TrialState.RUNNING))}
+    def untaken(sub: SearchSpace, limit: int) -> list[dict[str, Any]]:
+        found = runner.ranked(sub, limit + len(taken))
+        return [p for p in found if point_key({k: v for k, v in p.items() if k in names}) not in taken][:limit]
+
+    covering = [found[0] for found in (untaken(sub, 1) for sub in by_precision(space)) if found]
+    ranked = [p for p in untaken(space, count) if p not in covering]
+    return (covering + ranked)[:max(count, len(covering))]
+
+
 def _choose_best(opened: _Opened) -> tuple[Any, Figure]:
-    """The best trial and its figure over all its runs (contenders measured again); NoFeasiblePlanError if none fits."""
-    figure = choose(opened.study, opened.budget.budget_bytes, opened.runner.remeasure)
+    """The best trial and its figure over all its runs, after its paired comparisons with its rivals (its plain twin,
+    halving's plan, the plans within reach: ``choose.py``); NoFeasiblePlanError if none fits."""
+    budget_bytes = opened.budget.budget_bytes
+    figure = choose(opened.study, budget_bytes, opened.runner.remeasure,
+                    twin=twin_key(opened.study, opened.space, budget_bytes=budget_bytes, devices=opened.devices),
+                    halving=halving_key(opened.study, opened.space, batch_size=opened.batch_size,
+                                        budget_bytes=budget_bytes, devices=opened.devices))
     if figure is None:
         raise NoFeasiblePlanError(no_fit_message(opened.study, str(opened.budget), opened.budget.budget_bytes))
     return opened.study.trials[figure.trial], figure
@@ -273,7 +315,8 @@ def _write_plan(opened: _Opened, best: Any, figure: Figure, *, out: Path | None,
     """The chosen plan with its provenance (what was measured and predicted), written to ``out`` where given."""
     runner, budget = opened.runner, opened.budget
     tokens = best.user_attrs.get("tokens_per_second")
-    measured = plan_for(best.params, best.user_attrs.get("micro_batch_size"), opened.devices)
+    measured = plan_for(best.params, best.user_attrs.get("micro_batch_size"), opened.devices,
+                        best.user_attrs.get("recompute"))
     if opened.devices > 1:  # its figures were measured on that many ranks, whatever the strategy
         measured = measured.replace(devices=opened.devices)
     predicted = best.user_attrs.get("predicted_peak_bytes")  # None: it ran untraced
@@ -290,6 +333,9 @@ def _write_plan(opened: _Opened, best: Any, figure: Figure, *, out: Path | None,
             command=command, produced_by=f"search (study '{opened.name}', trial {best.number})",
             trainer_settings=best.user_attrs.get("trainer_settings") or {},
             prediction=chosen_prediction(best, runner.speed, measured),
+            paired=[{k: v[k] for k in ("against", "why", "incumbent_plan", "ratio", "interval", "rounds",
+                                       "busy_rounds", "rerun_rounds", "verdict")}
+                    for v in (opened.study.user_attrs.get("chosen") or {}).get("paired", [])],
         ),
     )
     plan = _at_largest_samples(plan, runner.estimator.batch_sizes, runner.predict(plan), budget.budget_bytes)

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 from autotune._plan.plan import Plan
 from autotune._plan.space import AUTO, Dimension, SearchSpace, plan_for
 from autotune._search.memory import shape_of
+from autotune._search.residuals import Corrections
 
 if TYPE_CHECKING:
     from autotune._estimate.devices import DeviceSpeed
     from autotune._estimate.speed import SpeedModel, SpeedPrediction
     from autotune._search.memory import SearchEstimator
 
-__all__ = ["MODELLED", "SearchSpeed", "guided_trials", "modelled_dimensions", "ranked_candidates",
+__all__ = ["MODELLED", "SearchSpeed", "by_precision", "guided_trials", "modelled_dimensions", "ranked_candidates",
            "with_variations"]
 
 log = logging.getLogger("autotune")
@@ -53,6 +54,9 @@ class SearchSpeed:
         self._speed = speed
         self._model: SpeedModel | None = None
         self._warned = False
+        self.measured: list[tuple[Plan, float]] = []  # every trial observed: its plan and samples/s
+        self.corrections = Corrections()  # the model's error by setting, refitted from ``measured`` when stale
+        self._stale = False
 
     @property
     def model(self) -> SpeedModel:
@@ -68,8 +72,24 @@ class SearchSpeed:
         return self._model
 
     def predict(self, plan: Plan) -> SpeedPrediction | None:
-        """``plan``'s predicted speed over the search's devices, with the efficiencies its trials have fitted; None
-        when the estimator cannot trace it or the device cannot be measured."""
+        """``plan``'s predicted speed over the search's devices, with the efficiencies its trials have fitted and the
+        corrections by setting they show (:mod:`autotune._search.residuals`); None when the estimator cannot trace it
+        or the device cannot be measured."""
+        import dataclasses
+
+        raw = self._calibrated(plan)
+        if raw is None:
+            return None
+        self._refit()
+        factor = self.corrections.factor(plan.to_dict())
+        error = self.corrections.error()
+        return dataclasses.replace(raw, samples_per_second=raw.samples_per_second * factor,
+                                   seconds_per_step=raw.seconds_per_step / factor,
+                                   mfu=raw.mfu * factor if raw.mfu is not None else None,
+                                   error=error if error is not None else raw.error)
+
+    def _calibrated(self, plan: Plan) -> SpeedPrediction | None:
+        """The calibrated model's prediction, without the corrections by setting."""
         work = self.estimator.work(plan)
         if work is None:
             return None
@@ -78,6 +98,17 @@ class SearchSpeed:
         except Exception as err:  # the model is an aid: a search goes on without it
             self._failed(err)
             return None
+
+    def _refit(self) -> None:
+        """The corrections by setting, fitted again from every trial against the model as calibrated now."""
+        if not self._stale:
+            return
+        self._stale = False
+        self.corrections.clear()
+        for plan, rate in self.measured:
+            raw = self._calibrated(plan)
+            if raw is not None and raw.samples_per_second > 0:
+                self.corrections.add(plan.to_dict(), measured_over_predicted=rate / raw.samples_per_second)
 
     def _failed(self, err: Exception) -> None:
         if not self._warned:
@@ -102,11 +133,18 @@ class SearchSpeed:
         except Exception as err:  # as in predict
             self._failed(err)
             return False
+        self.measured.append((plan, samples_per_second))
+        self._stale = True
         return True
 
     def error(self) -> float | None:
-        """The model's relative error on this target so far (each measured trial predicted from the others)."""
-        return self._model.calibration.error() if self._model is not None else None
+        """The model's relative error on this target so far (each measured trial predicted from the others: with the
+        corrections by setting from two trials on, else the calibration's)."""
+        if self._model is None:
+            return None
+        self._refit()
+        corrected = self.corrections.error()
+        return corrected if corrected is not None else self._model.calibration.error()
 
 
 def modelled_dimensions(space: SearchSpace) -> list[str]:
@@ -211,6 +249,19 @@ def with_variations(space: SearchSpace, ranked: list[dict[str, Any]]) -> list[di
     for i in range(max(len(variations), len(ranked) - 1)):
         out += variations[i:i + 1] + ranked[i + 1:i + 2]
     return list({repr(sorted(p.items())): p for p in out}.values())
+
+
+def by_precision(space: SearchSpace) -> list[SearchSpace]:
+    """``space`` cut to each of its precisions in turn (none where it does not search the precision, or the model
+    does not rank it)."""
+    import dataclasses
+
+    dim = next((d for d in space.dimensions if d.name == "precision"), None)
+    if dim is None or "precision" not in modelled_dimensions(space) or len(dim.choices) < 2:
+        return []
+    return [dataclasses.replace(space, dimensions=tuple(dataclasses.replace(d, choices=(choice,)) if d is dim else d
+                                                        for d in space.dimensions))
+            for choice in dim.choices]
 
 
 def guided_trials(trials: int, seeds: int) -> int:

@@ -1,24 +1,51 @@
-"""When a search stops: enough measured trials, or trials that keep failing; and Ctrl-C's quiet exit."""
+"""When a search stops: enough measured trials, trials that keep failing, or the target's own code failing; and
+Optuna's failure reports replaced by one line each (Ctrl-C's by none)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from autotune._search.auto import point_key
+from autotune._target.failure import TargetCodeError
 
-__all__ = ["MaxMeasured", "OPTUNA_OPTIMIZE", "StopOnFailures", "drop_interrupts", "finished"]
+__all__ = ["MaxMeasured", "OPTUNA_OPTIMIZE", "STOPPED_BY_TARGET", "StopOnFailures", "finished", "quiet_failures",
+           "recording_target_failure"]
 
 log = logging.getLogger("autotune")
 
 OPTUNA_OPTIMIZE = "optuna.study._optimize"  # the logger of Optuna's "Trial N failed" warnings
+#: The study attribute that says why a search stopped when the target's own code failed: the error's lines (None once
+#: a later run of the search got past that point).
+STOPPED_BY_TARGET = "stopped_by_target"
 
 
-def drop_interrupts(record: logging.LogRecord) -> bool:
-    """Keep Optuna's warnings but those for a trial that Ctrl-C interrupted (its error, and the "failed with value
-    None" line that follows every failure)."""
+def quiet_failures(record: logging.LogRecord) -> bool:
+    """Keep Optuna's warnings but its report of a trial that failed the way the search expects (a trial that crashed,
+    which :class:`StopOnFailures` says in one line; one that Ctrl-C interrupted): its error with our objective's
+    traceback, and the "failed with value None" line that follows every failure."""
     message = record.getMessage()
-    return "KeyboardInterrupt" not in message and not message.endswith("failed with value None.")
+    return not ("KeyboardInterrupt" in message or "error: TrialCrashed(" in message
+                or message.endswith("failed with value None."))
+
+
+@contextlib.contextmanager
+def recording_target_failure(study: Any) -> Iterator[None]:
+    """Record on ``study`` (``STOPPED_BY_TARGET``) why the search stops when the target's own code fails
+    (:class:`~autotune._target.failure.TargetCodeError`), and clear an earlier run's record: this run starts again
+    from where that one stopped."""
+    if study.user_attrs.get(STOPPED_BY_TARGET):
+        study.set_user_attr(STOPPED_BY_TARGET, None)
+    try:
+        yield
+    except TargetCodeError as err:
+        study.set_user_attr(STOPPED_BY_TARGET, list(err.lines))
+        ran = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("source") == "measured")
+        err.add(f"the search stopped {f'after {ran} trial(s)' if ran else 'before its first trial'}; its study "
+                f"'{study.study_name}' is kept: fix the code and run the same command again to resume it")
+        raise
 
 
 def _finished_states() -> tuple[Any, ...]:
@@ -57,10 +84,13 @@ class MaxMeasured:
 
 
 class StopOnFailures:
-    """Stop a search whose trials keep failing (a broken target): after 5 failures in a row, or ``trials`` in all."""
+    """Say each failed trial in one line, and stop a search whose trials keep failing: after 5 failures in a row, or
+    ``trials`` in all; and at once where two trials in a row of different plans fail in the target's own code at the
+    same place (the failure does not depend on the plan: :class:`~autotune._target.failure.TargetCodeError`)."""
 
     def __init__(self, trials: int) -> None:
         self.limit, self.in_a_row, self.total = trials, 0, 0
+        self.last_target_error: tuple[str, tuple[str, ...]] | None = None  # the plan and lines of the last failure
 
     def __call__(self, study: Any, trial: Any) -> None:
         from optuna.trial import TrialState
@@ -68,6 +98,17 @@ class StopOnFailures:
         failed = trial.state == TrialState.FAIL
         self.in_a_row = self.in_a_row + 1 if failed else 0
         self.total += int(failed)
+        lines = tuple(trial.user_attrs.get("target_error") or ()) if failed else ()
+        if failed and trial.user_attrs.get("status") != "interrupted":
+            where = f" ({lines[1].strip()})" if len(lines) > 1 else ""
+            log.warning("autotune: trial %d (%s) failed: %s%s", trial.number, trial.user_attrs.get("plan", "?"),
+                        trial.user_attrs.get("reason", "no reason recorded"), where)
+        last, plan, place = self.last_target_error, str(trial.user_attrs.get("plan_key")), lines[1:] or lines
+        if lines and last is not None and last[1] == place and last[0] != plan:
+            raise TargetCodeError([*lines, f"(the same in trials of two plans: {trial.user_attrs.get('plan', '?')} "
+                                           f"and the one before it)"])
+        if not failed or lines:
+            self.last_target_error = (plan, place) if lines else None
         if self.in_a_row >= 5 or self.total >= self.limit:
             log.warning("autotune: stopping the search: %d trials failed (last: %s)", self.total,
                         trial.user_attrs.get("reason", "see autotune report"))

@@ -194,13 +194,15 @@ def recover_dead_workers(study: Any) -> list[int]:
 
 
 def requeue_interrupted(study: Any) -> list[int]:
-    """Queue once more the parameters of each trial a Ctrl-C interrupted (failed with status ``interrupted``) that
-    no trial retries yet. Returns their numbers."""
+    """Queue once more the parameters of each trial a Ctrl-C interrupted (failed with status ``interrupted``), or that
+    failed in the target's own code (``target_error``: fixed since, or it fails again at once), that no trial retries
+    yet. Returns their numbers."""
     from optuna.trial import TrialState
 
     retried = {t.user_attrs.get("retry_of") for t in study.get_trials(deepcopy=False)}
     again = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-             if t.user_attrs.get("status") == "interrupted" and t.number not in retried]
+             if (t.user_attrs.get("status") == "interrupted" or t.user_attrs.get("target_error"))
+             and t.number not in retried]
     for trial in again:
         study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
     return [t.number for t in again]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune._device.budget import Budget, format_bytes, resolve_budget
+from autotune._device.load import busy
 from autotune._plan.plan import Plan
 from autotune._plan.provenance import Provenance
 from autotune._plan.space import AUTO, default_space_name, load_space, plan_for
@@ -50,6 +51,7 @@ class SuggestResult:
     batch_size: int
     budget_bytes: int
     notes: tuple[str, ...] = ()
+    sureness: str = ""  # how sure the ranking is, from what calibrated it (:func:`sureness`)
 
 
 def suggest(*, target: str, config: str | None, budget: Budget | None, device: Any, device_speed: DeviceSpeed | None,
@@ -88,10 +90,19 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
         resolved, batch_size=batch_size, capability=device_speed.capability if what_if and device_speed else None,
         gpus=devices if what_if else None)
     estimator = SearchEstimator(target=tgt, device=resolved)
-    if resolved.type == "cpu":
-        estimator.measure_baseline(target=target, config=config)
     speed = SearchSpeed(estimator, batch_size=batch_size, devices=devices, speed=device_speed)
+    calibrated_by: dict[str, Any] = {}
+    if resolved.type == "cpu":
+        run = estimator.measure_baseline(target=target, config=config, budget_bytes=budget_bytes)
+        if run is not None and run.result.samples_per_second:  # the baseline's second run: a speed on this host
+            predicted = speed.predict(run.plan)
+            if speed.observe(run.plan, run.result.samples_per_second):
+                calibrated_by = {"plan": run.plan.describe(), "samples_per_second": run.result.samples_per_second,
+                                 "predicted_before": predicted.samples_per_second if predicted else None,
+                                 "busy": busy(run.result.load)}
     auto = AutoMicro(estimator=estimator, budget_bytes=budget_bytes, batch_size=batch_size, devices=devices)
+    # activation_checkpointing="auto" chooses for the budget, its recompute priced on the device ranked for
+    estimator.recompute_budget, estimator.recompute_speed = budget_bytes, lambda: speed.model.speed
     candidates = ranked_candidates(space_obj, limit=top, batch_size=batch_size, devices=devices,
                                    cost=speed.seconds_per_sample, resolve_micro=auto, peak=estimator.peak,
                                    budget_bytes=budget_bytes, tensor_room=budget_bytes - estimator.baseline)
@@ -99,7 +110,7 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
     for params in candidates:
         full = _with_first_choices(space_obj, params)
         micro = auto(full) if full.get("micro_batch_size") == AUTO else full.get("micro_batch_size")
-        plan = plan_for(full, micro, devices)
+        plan = estimator.resolved(plan_for(full, micro, devices))  # the levels an 'auto' checkpointing chose
         if devices > 1:
             plan = plan.replace(devices=devices)
         predicted = speed.predict(plan)
@@ -114,14 +125,36 @@ def suggest(*, target: str, config: str | None, budget: Budget | None, device: A
                                  budget=str(budget) if budget is not None else None,
                                  device_name=speed.model.speed.name + (" (what-if)" if what_if else ""),
                                  device_total_bytes=device_memory, predicted_peak_bytes=best.peak_bytes,
-                                 command=command, produced_by=PRODUCED_BY, prediction=best.speed.as_dict()))
+                                 command=command, produced_by=PRODUCED_BY,
+                                 prediction={**best.speed.as_dict(), **({"calibrated_by": calibrated_by}
+                                                                        if calibrated_by else {})}))
     if out is not None:
         plan.save(out, command=command)
     unranked = [d.name for d in space_obj.dimensions if d.name not in modelled_dimensions(space_obj)]
     notes = space_obj.notes + ((f"not ranked by the model, so at the space's first choice: {', '.join(unranked)}",)
                                if unranked else ())
     return SuggestResult([Suggested(plan, best.speed, best.peak_bytes), *ranked[1:]], speed.model.speed.name,
-                         what_if, batch_size, budget_bytes, notes)
+                         what_if, batch_size, budget_bytes, notes, sureness(calibrated_by, best.speed))
+
+
+#: How far an uncalibrated prediction may be off (a datasheet's device, or this CPU before any run of the target):
+#: a factor of 3 either way was seen on CPU targets (issue 54: 1,590.6/s predicted, 508/s measured).
+UNCALIBRATED = "uncalibrated: the device's speeds alone (seen off by up to 3x); `autotune search` measures"
+
+
+def sureness(calibrated_by: dict[str, Any], speed: SpeedPrediction) -> str:
+    """How sure a suggestion is, from what its model was calibrated by: a sentence for the CLI."""
+    if not calibrated_by:
+        return UNCALIBRATED
+    before = calibrated_by.get("predicted_before")
+    off = f" (the model said {before:.1f}/s before it)" if before else ""
+    host = (" beside a busy host, so every figure reads low by as much as the neighbours took"
+            if calibrated_by.get("busy") else "")
+    return (f"calibrated by one short run on this host: {calibrated_by['plan']} measured "
+            f"{calibrated_by['samples_per_second']:.1f}/s{host}{off}; the other plans are predicted from it by the "
+            "model's structure: one calibrating run put its predictions within 10-15% in the median on the CPU targets "
+            "of docs/benchmarks.md (\"Throughput prediction\"); `autotune search` measures")
+
 
 
 def _with_first_choices(space: Any, params: dict[str, Any]) -> dict[str, Any]:

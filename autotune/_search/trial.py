@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune._device.oom import OutOfMemoryAtMinimumError, is_oom_error
-from autotune._search.records import TrialResult, TrialSpec
+from autotune._search.records import TRIAL_PID, TrialResult, TrialSpec
+from autotune._search.settings import user_callbacks, user_trainer_settings
 
 __all__ = ["TrialResult", "TrialSpec", "check_positive_int", "check_interval", "measure_plan", "run_trial"]
 
@@ -123,17 +124,42 @@ def _context() -> Any:
 def _start_forkserver_deaf_to_ctrl_c() -> None:
     """Start the forkserver with SIGINT ignored, a disposition it keeps through its preload and hands to every
     trial it forks: Ctrl-C is the search's, which kills the running trial (``run_trial``), and no child prints its
-    own traceback. The parent ignores SIGINT only while the server is spawned (it does not wait for the preload)."""
+    own traceback. The parent ignores SIGINT only while the server is spawned (it does not wait for the preload).
+
+    The server starts with OpenMP's threads waiting passively (``OMP_WAIT_POLICY=PASSIVE`` in its environment, read
+    when its preload loads torch; a policy the user set is kept): spinning threads take a busy neighbour's cores
+    from it and from each other, so a trial beside other work ran at half its speed, or less, where a passive one
+    loses its neighbour's share (docs/search.md, "How a verdict is protected")."""
     import threading
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal dispositions are the main thread's to set: the server starts with the first trial instead
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _passive_wait():
+        if threading.current_thread() is not threading.main_thread():
+            forkserver.ensure_running()  # signal dispositions are the main thread's to set: SIGINT is left as it is
+            return
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+#: The wait policy a trial's OpenMP threads get where the user set none.
+WAIT_POLICY = "PASSIVE"
+
+
+@contextlib.contextmanager
+def _passive_wait() -> Any:
+    """``OMP_WAIT_POLICY`` set to :data:`WAIT_POLICY` while the trial server starts (unless already set), then as it
+    was: this process's own OpenMP has long read it."""
+    given = os.environ.get("OMP_WAIT_POLICY")
+    if given is None:
+        os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
     try:
-        forkserver.ensure_running()
+        yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if given is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def run_trial(spec: TrialSpec, *, timeout: float = 600.0,
@@ -208,11 +234,15 @@ def _child(spec: TrialSpec, out: str, launched: float) -> None:
     # Linux before Python 3.14), not as this fork server's child would (forkserver: slow worker starts, and
     # semaphores registered with the search's resource tracker that the trial's quick exit leaves behind).
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    os.environ[TRIAL_PID] = str(os.getpid())  # the meter's load record counts this process tree as the run's own
     try:
         _measure(spec, launched, out)
     except BaseException as exc:  # the trial's own failure is its result, never the search's
-        oom, reason = _failure(exc)
-        result = TrialResult("oom" if oom else "error", reason=reason, wall_seconds=time.time() - launched)
+        from autotune._target.failure import failure_lines
+
+        oom, reason = _failure(exc)  # the target's own failure says where in its code (None: another failure)
+        result = TrialResult("oom" if oom else "error", reason=reason, wall_seconds=time.time() - launched,
+                             target_error=None if oom else failure_lines(exc, spec=spec.target))
         Path(out).write_text(json.dumps(dataclasses.asdict(result)))
     if not Path(out).exists():
         Path(out).write_text(json.dumps(dataclasses.asdict(TrialResult("error", reason="the run ended early"))))
@@ -321,51 +351,6 @@ def _start_ranks(count: int, fit: Any) -> None:
             dist.destroy_process_group()
 
     mp.start_processes(rank_main, nprocs=count, start_method="fork")
-
-
-#: Trainer settings a trial sets itself (the measurement, the plan, the devices): the user's are not taken.
-_TRIAL_OWNS = frozenset(
-    "accelerator devices num_nodes strategy precision accumulate_grad_batches max_steps max_epochs min_steps "
-    "min_epochs max_time logger callbacks enable_checkpointing enable_progress_bar enable_model_summary num_sanity_val_steps "
-    "limit_train_batches limit_val_batches limit_test_batches limit_predict_batches val_check_interval "
-    "check_val_every_n_epoch default_root_dir fast_dev_run profiler overfit_batches log_every_n_steps plugins".split())
-
-
-def user_trainer_settings(trainer_config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of the user's ``trainer:`` config that a trial's Trainer takes as they are: every plain value
-    (gradient clipping, ``deterministic``, ``detect_anomaly``, ``benchmark``, ...) but those a trial sets itself
-    (``_TRIAL_OWNS``); loggers and plugins are left out, callbacks are :func:`user_callbacks`. A trial measures the
-    run you train."""
-    return {k: v for k, v in trainer_config.items()
-            if k not in _TRIAL_OWNS and v is not None and isinstance(v, (bool, int, float, str))}
-
-
-#: Callbacks a trial leaves out: what it turns off (checkpoints, validation, progress bars, summaries, loggers), what
-#: changes the run's batch (the tuners), and the plan's own callbacks (the trial adds them with the plan's settings).
-_TRIAL_DROPS = ("ModelCheckpoint", "EarlyStopping", "ProgressBar", "ModelSummary", "LearningRateMonitor",
-                "DeviceStatsMonitor", "BatchSizeFinder", "LearningRateFinder", "ElasticBatchSize", "ApplyPlan")
-
-
-def user_callbacks(trainer_config: dict[str, Any], *, folders: tuple[str, ...] = ()) -> tuple[list[Any], list[str]]:
-    """The callbacks of the user's ``trainer.callbacks`` (LightningCLI's ``class_path``/``init_args`` form, a list
-    or one) that a trial runs with, built anew with ``folders`` on ``sys.path`` (the config's and the current one,
-    as LightningCLI has them), and the class names of the kept ones (for the provenance); those of
-    ``_TRIAL_DROPS`` and their subclasses are left out."""
-    entries = trainer_config.get("callbacks") or []
-    entries = entries if isinstance(entries, list) else [entries]
-    if not entries:
-        return [], []
-    from lightning.pytorch.cli import instantiate_class
-
-    from autotune._target.config import on_sys_path
-
-    kept = []
-    with on_sys_path(folders):
-        for entry in entries:
-            callback = instantiate_class((), {"class_path": entry} if isinstance(entry, str) else entry)
-            if not any(cls.__name__ in _TRIAL_DROPS for cls in type(callback).__mro__):
-                kept.append(callback)
-    return kept, [type(c).__name__ for c in kept]
 
 
 def _trainer(spec: TrialSpec, plan: Any, kwargs: dict[str, Any], callbacks: list[Any], micro: int,

@@ -19,7 +19,7 @@ from autotune._search.choose import figures
 from autotune._search.cost import FEATURES, WORK_FIELDS, simplicity
 from autotune._search.halving import PINNED, plainest
 
-__all__ = ["TWIN", "measure_twin", "twin_params"]
+__all__ = ["TWIN", "measure_twin", "twin_key", "twin_params"]
 
 #: A trial's user attribute: the trial whose plain twin it measures.
 TWIN = "plain_twin_of"
@@ -41,6 +41,16 @@ def twin_params(space: SearchSpace, params: dict[str, Any]) -> dict[str, Any]:
         plain = dim.name in WORK_FIELDS or dim.name in FEATURES or dim.name not in params
         out[dim.name] = plainest(dim) if plain else params[dim.name]
     return out
+
+
+def twin_key(study: Any, space: SearchSpace, *, budget_bytes: int, devices: int) -> str | None:
+    """The plan key of the plain twin of the best plan so far (None when there is no plan, or it is plain): the plan
+    the leader is compared with first (``choose.rivals``)."""
+    ranked = figures(study, budget_bytes)
+    if not ranked or ranked[0].fields is None or ranked[0].simplicity() == simplicity({}):
+        return None
+    lead = study.trials[ranked[0].trial]
+    return plan_for(twin_params(space, lead.params), lead.user_attrs.get("micro_batch_size"), devices).key()
 
 
 def measure_twin(study: Any, space: SearchSpace, *, budget_bytes: int, devices: int,

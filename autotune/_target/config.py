@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune._plan.tuned import (  # a target reads ckpt_path and does not use it
-    CLI_CONFIG_KEYS, constructor_arguments, safe_load_unique,
+from autotune._plan.config_text import (  # a target reads ckpt_path and does not use it
+    CLI_CONFIG_KEYS, constructor_arguments, did_you_mean, safe_load_unique,
 )
 
 if TYPE_CHECKING:
@@ -97,8 +97,8 @@ def _load_config(spec: str, path: Path, *, with_model: bool) -> _CliConfig:
     if not isinstance(raw, dict):
         raise TargetError(f"{prefix}: a LightningCLI config must be a mapping with `model:` and `data:` sections; "
                           f"got {type(raw).__name__}")
-    errors = [f"unknown key '{key}' (accepted: {', '.join(CLI_CONFIG_KEYS)})" for key in raw
-              if key not in CLI_CONFIG_KEYS]
+    errors = [f"unknown key '{key}'{did_you_mean(key, CLI_CONFIG_KEYS)} (accepted: {', '.join(CLI_CONFIG_KEYS)})"
+              for key in raw if key not in CLI_CONFIG_KEYS]
     folders = (str(path.resolve().parent), os.getcwd())
     sections: dict[str, _ClassSection | None] = {}
     from lightning.pytorch import LightningDataModule, LightningModule

@@ -22,11 +22,13 @@ Reading a config, and the helpers both kinds of target share, live in :mod:`auto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -237,6 +239,7 @@ def _resolve(spec: str | os.PathLike[str] | None, config: str | os.PathLike[str]
 
 def _build_from_config(spec: str, cli: _CliConfig) -> Target:
     parts = _parts_from_config(spec, cli)
+    _require_training_methods(spec, parts.model, config=True)
     return Target(spec=spec, model=parts.model, datamodule=parts.datamodule, trainer_config=parts.trainer_config,
                   seed=parts.seed)
 
@@ -316,7 +319,11 @@ def _build_from_factory(spec: str, factory: _Factory, cli: _CliConfig | None) ->
         with on_sys_path(factory.folders):
             result = factory.function()
     except Exception as error:
-        raise TargetError(f"target '{spec}': {factory.name}() raised {_one_line(error)}") from error
+        from autotune._target.failure import TargetCodeError, failure_lines
+
+        refused = TargetError(f"target '{spec}': {factory.name}() raised {_one_line(error)}")
+        refused.__cause__ = error
+        raise TargetCodeError(failure_lines(refused, spec=spec) or [str(refused)]) from error
     except SystemExit as error:  # a factory that ends the process (argparse inside it, sys.exit) ends only itself
         raise TargetError(f"target '{spec}': {factory.name}() called sys.exit({error.code!r}); a factory returns "
                           "a LightningModule or (LightningModule, LightningDataModule)") from None
@@ -336,10 +343,37 @@ def _build_from_factory(spec: str, factory: _Factory, cli: _CliConfig | None) ->
     if cli is not None:
         _install_optimizers(model, cli)
         trainer_config = copy.deepcopy(cli.trainer)
+    _require_training_methods(spec, model, config=cli is not None)
     return Target(spec=spec, model=model, datamodule=datamodule, trainer_config=trainer_config, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _require_training_methods(spec: str, model: LightningModule, *, config: bool) -> None:
+    """Refuse, as Lightning's Trainer (or ElasticBatchSize) would at its first step, a module without
+    ``training_step`` or ``configure_optimizers`` (a config's ``optimizer:`` section installs one), or with manual
+    optimization, naming the class and its file."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    missing = [name for name in ("training_step", "configure_optimizers") if not is_overridden(name, model)]
+    manual = not getattr(model, "automatic_optimization", True)
+    if not missing and not manual:
+        return
+    cls, where = type(model), ""
+    with contextlib.suppress(TypeError, OSError):
+        cls_file, cls_line = inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
+        where = f" ({os.path.relpath(cls_file) if cls_file else '?'}:{cls_line})"
+    if not missing:
+        raise TargetError(f"target '{spec}': {cls.__name__}{where} sets automatic_optimization = False; autotune's "
+                          "runtime (ElasticBatchSize) splits the steps of automatic optimization only")
+    fixes = {"training_step": "define training_step(batch, batch_idx) returning the loss",
+             "configure_optimizers": "define configure_optimizers() returning an optimizer" + (
+                 ", or give the config an `optimizer:` section" if config else
+                 ", or give --config a LightningCLI config with an `optimizer:` section")}
+    raise TargetError(f"target '{spec}': {cls.__name__}{where} does not define "
+                      f"{' or '.join(f'{m}()' for m in missing)}, which Lightning's Trainer needs to train: "
+                      + "; ".join(fixes[m] for m in missing))
 
 
 def _describe(value: Any) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune._compat.torch import is_norm_with_running_stats
+from autotune._transforms.recompute import levelled_blocks, selective_contexts
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -80,13 +81,18 @@ def _apart(a: nn.Module, b: nn.Module) -> bool:
     return not any(m is b for m in a.modules()) and not any(m is a for m in b.modules())
 
 
-def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Module]:
+def select_blocks(model: nn.Module, spec: float | Sequence[str] | str,
+                  recompute: Sequence[str] | None = None) -> list[nn.Module]:
     """The blocks a plan's ``activation_checkpointing`` names: a fraction of :func:`find_blocks` (the first ones),
-    or every module whose class name is listed.
+    every module whose class name is listed, or (``"auto"``) the blocks its ``recompute`` levels checkpoint (see
+    :func:`ops_only_blocks` for those that recompute their pointwise operators only).
 
     Raises:
-        ValueError: when class names match no module, naming them and the classes that are there.
+        ValueError: when class names match no module, naming them and the classes that are there; for ``"auto"``
+            not chosen yet (no ``recompute``) or chosen for another number of blocks.
     """
+    if spec == "auto":
+        return levelled_blocks(find_blocks(model), _levels(recompute))[0]
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         blocks = find_blocks(model)
         return blocks[: math.ceil(spec * len(blocks) - 1e-9)] if spec > 0 else []
@@ -102,9 +108,27 @@ def select_blocks(model: nn.Module, spec: float | Sequence[str]) -> list[nn.Modu
     return chosen
 
 
-def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Callable[[], None]:
+def ops_only_blocks(model: nn.Module, spec: float | Sequence[str] | str,
+                    recompute: Sequence[str] | None = None) -> list[nn.Module]:
+    """Of :func:`select_blocks`, those that recompute their pointwise operators only (``recompute`` level ``"ops"``;
+    none but under ``"auto"``)."""
+    return levelled_blocks(find_blocks(model), _levels(recompute))[1] if spec == "auto" else []
+
+
+def _levels(recompute: Sequence[str] | None) -> Sequence[str]:
+    if recompute is None:
+        raise ValueError("activation_checkpointing='auto' has not been chosen for a micro-batch and budget yet (no "
+                         "recompute levels): run `autotune estimate` or a search with activation_checkpointing: auto, "
+                         "or call autotune.choose_recompute, and use the plan it gives")
+    return recompute
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module,
+                      ops_only: Sequence[nn.Module] = ()) -> Callable[[], None]:
     """Recompute ``blocks`` of ``model`` in backward (non-reentrant ``torch.utils.checkpoint``); returns a function
-    undoing it. ``ApplyPlan`` and the estimator both checkpoint through here.
+    undoing it. ``ApplyPlan`` and the estimator both checkpoint through here. The blocks also in ``ops_only`` save
+    their matrix products and attention and recompute the rest (torch's selective checkpointing with
+    :func:`~autotune._transforms.recompute.save_products`).
 
     The random state is preserved by ``checkpoint``, so dropout inside a block recomputes identically. A block that
     checkpoints itself already (a ``gradient_checkpointing`` flag that is on, as transformers' layers have after
@@ -119,6 +143,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
                is True}
     for config in configs.values():
         config.use_cache = False
+    selective = {id(b) for b in ops_only}
     for block in blocks:
         if getattr(block, "gradient_checkpointing", False) is True:
             continue  # its own checkpointing is on
@@ -129,12 +154,14 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
         bound = isinstance(original, types.MethodType) and original.__self__ is block
 
         def forward(self: nn.Module, *args: object, __original: Callable[..., object] = (
-                original.__func__ if bound else original), __bound: bool = bound, **kwargs: object) -> object:
+                original.__func__ if bound else original), __bound: bool = bound,
+                __ops: bool = id(block) in selective, **kwargs: object) -> object:
             run = functools.partial(__original, self) if __bound else __original
             if not torch.is_grad_enabled():
                 return run(*args, **kwargs)
             norms = [m for m in self.modules() if is_norm_with_running_stats(m)]
-            contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms)} if norms else {}
+            contexts = {"context_fn": functools.partial(_recompute_keeping_stats, norms, __ops)} if norms or __ops \
+                else {}
             return checkpoint(run, *args, use_reentrant=False, **contexts, **kwargs)
 
         block.forward = types.MethodType(functools.wraps(original)(forward), block)  # type: ignore[method-assign]
@@ -152,10 +179,20 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], *, model: nn.Module) -> Calla
     return restore
 
 
-def _recompute_keeping_stats(norms: list[nn.Module]) -> tuple[Any, Any]:
-    """``checkpoint``'s ``context_fn``: nothing around the forward; around the recompute, the norm layers' running
-    statistics kept as they were (a recompute is not a second training forward)."""
-    return contextlib.nullcontext(), _stats_kept(norms)
+def _recompute_keeping_stats(norms: list[nn.Module], selective: bool = False) -> tuple[Any, Any]:
+    """``checkpoint``'s ``context_fn``: nothing around the forward (``selective``: the selective policy's); around
+    the recompute, the norm layers' running statistics kept as they were (a recompute is not a second training
+    forward), and the selective policy's context."""
+    if not selective:
+        return contextlib.nullcontext(), _stats_kept(norms)
+    forward, recompute = selective_contexts()
+    return forward, _both(recompute, _stats_kept(norms))
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 @contextlib.contextmanager

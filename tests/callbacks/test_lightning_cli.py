@@ -25,8 +25,8 @@ BAD_VALUES = [
     (0, "micro_batch_size", 0, "micro_batch_size must be a positive int or None; got 0"),
     (0, "budget", "-1GiB", "budget must be bytes like '20GiB', '512MiB' or 4294967296, a fraction of total memory in "
                            "(0, 1] like 0.8, or 'auto'; got '-1GiB'"),
-    (1, "activation_checkpointing", 1.7, "activation_checkpointing must be a fraction in [0, 1] or a list of class "
-                                         "names; got 1.7"),
+    (1, "activation_checkpointing", 1.7, "activation_checkpointing must be a fraction in [0, 1], a list of class "
+                                         "names or 'auto'; got 1.7"),
     ("trainer", "precision", "bf17-mixed", "trainer.precision: precision must be one of 32-true, bf16-mixed, "
                                            "16-mixed, bf16-true, 16-true, transformer-engine; got 'bf17-mixed'"),
     (1, "optimizer_state", "3bit", "optimizer_state must be one of full, 8bit, 4bit; got '3bit'"),
@@ -153,3 +153,49 @@ def test_plain_python_still_raises_the_constructors_value_error(capsys: pytest.C
     shown = capsys.readouterr().err
     assert "Traceback (most recent call last)" in shown
     assert shown.splitlines()[-1] == "ValueError: `max_entries` must be a positive int; got 0"
+
+
+@pytest.mark.slow
+def test_a_cut_tuned_file_a_setup_check_and_a_misspelt_key_are_one_line_under_lightning_cli(tmp_path: Path) -> None:
+    user = _user_config(tmp_path)
+    tuned = Plan(precision="bf16-mixed", micro_batch_size=4, budget="1GiB").save(tmp_path / "tuned.yaml")
+    text = tuned.read_text()
+    cut = tmp_path / "cut.yaml"  # its last lines lost: it would train in fp32
+    cut.write_text(text[:text.index("  precision: bf16-mixed")])
+    four = tmp_path / "four.yaml"
+    four.write_text(text.replace("accumulate_grad_batches: 1", "accumulate_grad_batches: 4"))
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(text.replace("\ntrainer:\n", "\ntrainr:\n"))
+    model_typo = tmp_path / "model_typo.yaml"  # a config of the user's, not a tuned file
+    model_typo.write_text((GPT / "config.yaml").read_text().replace("\nmodel:", "\nmodle:"))
+    accumulates = tmp_path / "accumulates.yaml"  # ElasticBatchSize's setup check, at fit
+    accumulates.write_text((GPT / "config.yaml").read_text().replace("accumulate_grad_batches: 1 ",
+                                                                     "accumulate_grad_batches: 4 "))
+    run_args = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"]
+    cases = [["fit", "--config", str(GPT / "config.yaml"), "--config", str(cut), *run_args],
+             ["fit", "--config", str(user), "--config", str(four), *run_args],
+             ["fit", "--config", str(GPT / "config.yaml"), "--config", str(misspelt), *run_args],
+             ["fit", "--config", str(model_typo), *run_args],
+             ["fit", "--config", str(accumulates), *run_args]]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    run = subprocess.run([sys.executable, str(ROOT / "tests/support/cli_errors_run.py"), str(GPT / "train.py"),
+                          str(tmp_path / "cases.json")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    first, *rest = run.stdout.splitlines()
+    results = [*json.loads(first), {"status": run.returncode, "output": "\n".join(rest) + run.stderr}]
+    expected = [
+        (2, f"error: {cut}: trainer.precision, trainer.accumulate_grad_batches: missing; a tuned file (format 3) holds "
+            "every plan setting, so this one was cut short or edited: write it again (autotune search or suggest), or "
+            "delete its first line to use it as a config of your own"),
+        (2, f"error: {four}: trainer.accumulate_grad_batches: must be 1; got 4"),
+        (2, f"error: {misspelt}: trainr: unknown key; did you mean 'trainer'? (a tuned file is a LightningCLI config: "
+            "model, data, trainer, seed_everything, optimizer, lr_scheduler, ckpt_path)"),
+        (2, f"error: {model_typo}: modle: not a key of this command's config; did you mean 'model'? (its keys: "
+            "ckpt_path, config, data, lr_scheduler, model, optimizer, seed_everything, trainer, weights_only)"),
+        (1, "error: ElasticBatchSize does the gradient accumulation itself, but the Trainer has "
+            "accumulate_grad_batches=4. Set Trainer(accumulate_grad_batches=1) and let the dataloader yield the "
+            "effective batch (e.g. batch_size=16 x 4 = 64)."),
+    ]
+    for (status, line), result in zip(expected, results):
+        lines = [x for x in result["output"].splitlines() if x.startswith("error: ")]
+        assert (result["status"], lines) == (status, [line]), result["output"][-3000:]
+        assert "Traceback" not in result["output"] and "usage:" not in result["output"]

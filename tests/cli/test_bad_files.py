@@ -124,3 +124,41 @@ def test_an_estimate_budget_above_the_devices_memory_is_refused() -> None:
                           device_memory=80 * 2**30).budget_bytes == 60 * 2**30
     with pytest.raises(ValueError, match=r"budget 1000TiB \(1000.00 TiB\) is more than cpu's memory \("):
         resolve_budget("1000TiB", torch.device("cpu"))  # this host's memory, read
+
+
+NO_OPTIMIZER = '''\
+import lightning as L
+import torch
+
+
+class NoOptimizer(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.batch_size = 8
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(32, 4), batch_size=8)
+
+
+def make():
+    return NoOptimizer()
+'''
+
+
+@pytest.mark.parametrize("verb", [["estimate", "--budget", "2GiB"], ["suggest", "--budget", "2GiB"],
+                                  ["search", "--budget", "2GiB", "--no-progress"]])
+def test_a_module_without_configure_optimizers_is_one_line_for_every_verb(
+        verb: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "noopt.py").write_text(NO_OPTIMIZER)
+    assert main([verb[0], "noopt.py:make", "--device", "cpu", *verb[1:]]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "autotune: error: target 'noopt.py:make': NoOptimizer (noopt.py:5) does not define configure_optimizers(), "
+        "which Lightning's Trainer needs to train: define configure_optimizers() returning an optimizer, or give "
+        "--config a LightningCLI config with an `optimizer:` section\n")
+    assert not (tmp_path / "autotune.db").exists() and not (tmp_path / "tuned.yaml").exists()  # nothing written

@@ -160,3 +160,38 @@ def test_a_value_that_starts_with_a_dash_gets_our_message_not_argparses(argv, me
     # argparse alone reads '-1GiB' as an option and answers "expected one argument"
     assert main(argv) == 2
     assert capsys.readouterr().err == f"autotune: error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["search", "x.py:make", "--budget", "2GiB", "--interval", "1.5"],
+     "argument --interval: must be a number between 0 and 1 (0.03: +-3%); got '1.5'; see autotune search --help"),
+    (["estimate", "x.py:make", "--trace", "bogus"],
+     "argument --trace: invalid choice: 'bogus' (choose from 'auto', 'fake', 'real'); see autotune estimate --help"),
+    (["search", "x.py:make", "--budget", "2GiB", "--trials", "many"],
+     "argument --trials: invalid int value: 'many'; see autotune search --help"),
+    (["search", "x.py:make"], "the following arguments are required: --budget; see autotune search --help"),
+])
+def test_an_argument_argparse_refuses_is_one_line_with_what_is_accepted(argv, message, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"autotune: error: {message}\n"  # no usage text
+
+
+@pytest.mark.parametrize("argv, patched", [
+    (["probe", "--device", "cpu"], "autotune._device.probe.probe_memory"),
+    (["estimate", "x.py:make", "--device", "cpu", "--budget", "2GiB"], "autotune._target.target.load_target"),
+    (["suggest", "x.py:make", "--device", "cpu", "--budget", "2GiB"], "autotune._target.target.load_target"),
+    (["search", "x.py:make", "--device", "cpu", "--budget", "2GiB"], "autotune._target.target.load_target"),
+    (["report", "--storage", "sqlite:///none.db"], "autotune._search.report.load_study"),
+])
+def test_every_verb_reports_a_setting_lightning_refuses_in_one_line(argv, patched, capsys, monkeypatch, tmp_path):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    def refuses(*args, **kwargs):
+        raise MisconfigurationException("`Trainer(strategy='fsdp')` requires a GPU\naccelerator")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(patched, refuses)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("autotune: error: `Trainer(strategy='fsdp')` requires a GPU "
+                                                        "accelerator")

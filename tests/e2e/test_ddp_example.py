@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 
 from autotune import load_plan
 from autotune._device.budget import resolve_budget
+from autotune._search.confirm import GUIDED
 from autotune._search.halving import RUNG
 from autotune._search.twin import TWIN
 from autotune._transforms.blocks import find_blocks
@@ -99,7 +100,7 @@ def test_make_matches_the_config_and_learns(train: ModuleType) -> None:
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[optuna.trial.FrozenTrial]]:
-    """The README's search, smaller: 2 trials of 2 timed steps, each trial DDP on 2 CPU ranks."""
+    """The README's search: 2 trials of 2 timed steps, each trial DDP on 2 CPU ranks."""
     folder = tmp_path_factory.mktemp("ddp_search")
     storage = f"sqlite:///{folder}/s.db"
     out = folder / "tuned.yaml"
@@ -116,11 +117,15 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
     code, out, trials = searched
     assert code == 0
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert not [t for t in trials if t.state == TrialState.FAIL]
+    # no trial failed; a queued trial the model's contradiction dropped before it ran is the only FAIL Optuna allows
+    assert not [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("status") != "dropped"]
     # the step-time model's pick and the multi_gpu space's seeds (halving's rung and the leader's plain twin apart):
     # DDP, and FSDP2 sharding (ZeRO-3 style) on the same 2 ranks, each measured
     measured = [t for t in finished if not t.user_attrs.get(RUNG) and t.user_attrs.get(TWIN) is None]
-    assert 2 <= len(measured) <= 3
+    # at least --trials; at most the first trials queued (halving's ladder runs what the search left queued), those a
+    # contradicted model dropped replaced one for one, not added to
+    first = [t for t in trials if t.user_attrs.get(GUIDED, -1) >= 0]
+    assert 2 <= len(measured) <= len(first)
     assert {t.params["strategy"] for t in measured if t.user_attrs["status"] == "ok"} == {"ddp", "fsdp"}
     for t in measured:
         assert t.user_attrs["plan"].startswith("ddp, " if t.params["strategy"] == "ddp" else "fsdp")

@@ -1,4 +1,6 @@
-"""Every shell command shown in the README and the docs runs (in a scratch folder, in the order shown)."""
+"""Every shell command shown in the README and the docs runs (in a scratch folder, in the order shown), and prints
+our output and Lightning's without noise: no third-party tip, no deprecation warning, no progress bar without its
+total, no raw settings dict, no traceback."""
 
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*/README.md"))]
 POSTGRES = os.environ.get("AUTOTUNE_TEST_POSTGRES")
+#: What a documented command must not print (the first run of the README printed each of these once).
+NOISE = {
+    "a third-party tip (Lightning's litlogger advertisement)": re.compile(r"💡 Tip|litlogger"),
+    "a deprecation warning": re.compile(r"(Future|Deprecation)Warning|is deprecated|will be removed"),
+    "a progress bar without its total (Lightning's 'Epoch 0/-2' for max_epochs=-1)": re.compile(r"Epoch \d+/-\d"),
+    "settings as a raw dict (a notice that is not a sentence)": re.compile(r"\w\{'\w+': "),
+    "a traceback": re.compile(r"Traceback \(most recent call last\)"),
+    "Optuna's report of a failed trial": re.compile(r"Trial \d+ failed"),
+}
 
 
 def commands(path: Path) -> list[str]:
@@ -74,11 +85,28 @@ def test_doc_commands_run(doc: Path, scratch: tuple[Path, set[str]]) -> None:
                 continue  # needs a server; .ci/run starts one
             command = re.sub(r"postgresql://\S+", POSTGRES, command).replace("--study gpt-2gib",
                                                                               f"--study docs-{os.getpid()}")
-        code, err = _run(command, cwd=tmp_path, env=env)
+        code, out, err = _run(command, cwd=tmp_path, env=env)
         if code is None:  # hung: once again, see _run
-            code, err = _run(command, cwd=tmp_path, env=env)
+            code, out, err = _run(command, cwd=tmp_path, env=env)
         assert code == 0, f"{doc.name}: `{command}` failed:\n{err[-3000:]}"
+        noise = [f"{what}: {line.strip()}" for line in (out + err).splitlines() for what, pattern in NOISE.items()
+                 if pattern.search(line)]
+        assert not noise, f"{doc.name}: `{command}` printed noise:\n" + "\n".join(noise)
+        if doc == ROOT / "README.md" and command == commands(doc)[0]:
+            _review_first_run(out + err)
         done.add(shown)
+
+
+def _review_first_run(output: str) -> None:
+    """The README's first command prints the search's lines, then Lightning's run with the tuned plan: the notice that
+    the tuned file's ElasticBatchSize runs in place of the config's, as a sentence, and a progress bar with its total."""
+    lines = output.splitlines()
+    assert any(re.match(r"best plan \(trial \d+ of study 'autotune-gpt-train\.py:make-2GiB-cpu-cpu'\): ", x) for x in lines)
+    assert "wrote tuned.yaml: python train.py fit --config your_config.yaml --config tuned.yaml" in lines
+    assert ("ElasticBatchSize: the later one in the callbacks (budget 2GiB, micro-batch ") in output
+    assert "runs in place of this one (no budget, micro-batch 8, growing after 10 clean steps)." in output
+    assert re.search(r"Epoch 0/0 +\S+ 30/30 ", output), output[-2000:]
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in lines
 
 
 @functools.cache
@@ -89,21 +117,22 @@ def _usage(script: str) -> str:
     return proc.stdout
 
 
-def _run(command: str, *, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[int | None, str]:
+def _run(command: str, *, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[int | None, str, str]:
     """Run a shell command in a session of its own; past ``timeout`` kill the whole session (the shell's children
     too: killing the shell alone leaves them holding its pipes) and return ``(None, stderr)``. A command that hangs
     is run once more by the caller: before Python 3.12 a dataloader worker forked from a DDP rank can hang for good
     at its start when a gloo thread of the rank held the interpreter's thread-list lock at that moment (CPython
-    gh-112275; seen once here, in the DDP example's tuned run with 2 workers, in about twenty full runs)."""
+    gh-112275; seen once here, in the DDP example's tuned run with 2 workers, in about twenty full runs). Returns the
+    exit status, stdout and stderr."""
     proc = subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=timeout)
-        return proc.returncode, err
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        return None, f"timed out after {timeout:.0f} s\n{err}"
+        out, err = proc.communicate()
+        return None, out, f"timed out after {timeout:.0f} s\n{err}"
 
 
 def test_the_readme_starts_with_the_two_commands() -> None:

@@ -87,7 +87,7 @@ def test_the_search_s_space_loses_the_choices_that_do_nothing_for_its_target(by_
     assert [d.choices for d in cut.dimensions if d.name == "activation_checkpointing"] == [(0.0,)]
     assert cut.seeds == tuple(s for s in space.seeds if not s["activation_checkpointing"])
     assert cut.notes[len(space.notes):] == (
-        "activation_checkpointing=0.5, 1.0 dropped for this target: it applies to nothing (the 4 Parts block(s) it "
+        "activation_checkpointing=0.5, 1.0, 'auto' dropped for this target: it applies to nothing (the 4 Parts block(s) it "
         "wraps never run their own forward in the step (their parts are called by hand), so nothing is recomputed); "
         "1 seed(s) with it left out",)
     called = SearchEstimator(target=load_target(f"{TARGET}:make_called"), device=torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_a_search_of_such_a_target_tries_no_checkpointing_and_says_so_once(
     result = search_module.search(target=f"{TARGET}:make", budget="2GiB", space="cpu", trials=2, seed=0,
                                   device="cpu", storage=f"sqlite:///{tmp_path}/s.db", out=tmp_path / "tuned.yaml")
     assert [n for n in result.notes if "for this target" in n] == [
-        "activation_checkpointing=0.5, 1.0 dropped for this target: it applies to nothing (the 4 Parts block(s) it "
+        "activation_checkpointing=0.5, 1.0, 'auto' dropped for this target: it applies to nothing (the 4 Parts block(s) it "
         "wraps never run their own forward in the step (their parts are called by hand), so nothing is recomputed); "
         "1 seed(s) with it left out"]
     tried = [t.params for t in result.study.get_trials()]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from autotune import Plan, PlanFileError, Provenance, load_plan
+from autotune._plan.tuned import FORMAT_VERSION
 from autotune.callbacks import ApplyPlan, ElasticBatchSize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def full_plan() -> Plan:
 def test_invalid_plan_lists_every_problem_in_one_error() -> None:
     with pytest.raises(ValueError, match=r"invalid plan: precision must be one of .*; got 'fp8'; micro_batch_size "
                        r"must be a positive int or None; got 0; activation_checkpointing must be a fraction in "
-                       r"\[0, 1\] or a list of class names; got 1.5; num_workers must be an int >= 0 or None; got -1"):
+                       r"\[0, 1\], a list of class names or .auto.; got 1.5; num_workers must be an int >= 0 or None; got -1"):
         Plan(precision="fp8", micro_batch_size=0, activation_checkpointing=1.5, num_workers=-1)
     with pytest.raises(ValueError, match=r"budget must be .*got '3XB'"):
         Plan(budget="3XB")
@@ -108,8 +109,9 @@ def test_load_reports_every_problem_with_file_and_key(tmp_path: Path) -> None:
 
 def test_load_refuses_newer_formats_missing_files_and_non_plans(tmp_path: Path) -> None:
     path = full_plan().save(tmp_path / "tuned.yaml")
-    path.write_text(path.read_text().replace("format_version: 2", "format_version: 7"))
-    with pytest.raises(PlanFileError, match=r"format_version: 7 is newer than this lightning-autotune reads \(2\); "
+    path.write_text(path.read_text().replace(f"format_version: {FORMAT_VERSION}", "format_version: 7"))
+    with pytest.raises(PlanFileError, match=rf"format_version: 7 is newer than this lightning-autotune reads "
+                       rf"\({FORMAT_VERSION}\); "
                        "upgrade lightning-autotune"):
         load_plan(path)
     with pytest.raises(PlanFileError, match=r"nope.yaml: the tuned file does not exist"):
@@ -163,8 +165,8 @@ def test_tuned_file_adds_its_callbacks_to_the_users(tmp_path: Path) -> None:
     assert checkpoint.dirpath == str(tmp_path)  # the user's, not Lightning's default one
     # a format-1 file (`callbacks`, which replaced the user's) still loads
     old = tmp_path / "old.yaml"
-    old.write_text(tuned.read_text().replace("callbacks+:", "callbacks:").replace("format_version: 2",
-                                                                                  "format_version: 1"))
+    old.write_text(tuned.read_text().replace("callbacks+:", "callbacks:").replace(
+        f"format_version: {FORMAT_VERSION}", "format_version: 1").replace(f"format {FORMAT_VERSION})", "format 1)"))
     assert load_plan(old) == load_plan(tuned)
 
 
@@ -218,9 +220,146 @@ def test_a_plan_carries_the_sample_size_its_micro_batch_fits_at(tmp_path) -> Non
     assert load_plan(tmp_path / "tuned.yaml") == plan
     (elastic,) = [c for c in plan.callbacks() if isinstance(c, ElasticBatchSize)]
     assert elastic.micro_batch_sample_size == 1537.0
-    assert "micro_batch_sample_size" not in Plan(micro_batch_size=8).elastic_kwargs()  # files as before
+    assert Plan(micro_batch_size=8).elastic_kwargs()["micro_batch_sample_size"] is None  # written: every key is
     with pytest.raises(ValueError, match="micro_batch_sample_size is where micro_batch_size fits; it needs "
                                          "micro_batch_size"):
         Plan(micro_batch_sample_size=1537.0)
     with pytest.raises(ValueError, match=r"micro_batch_sample_size must be a positive number or None; got 0"):
         Plan(micro_batch_size=8, micro_batch_sample_size=0)
+
+
+#: A tuned file as the writer of format 2 wrote it (``autotune search examples/gpt/train.py:make --device cpu --budget
+#: 2GiB --trials 6``, 2026-12-07; its provenance shortened): no ``grow``, no ``micro_batch_sample_size``.
+FORMAT_2_FILE = """\
+# Tuned by lightning-autotune (tuned-file format 2).
+# Produced by: autotune search examples/gpt/train.py:make --device cpu --budget 2GiB --trials 6
+trainer:
+  callbacks+:
+  - class_path: autotune.callbacks.ElasticBatchSize
+    init_args:
+      budget: 2GiB  # memory cap of the run (hard on CUDA, soft on CPU)
+      micro_batch_size: 32  # samples per forward/backward; the effective batch is the dataloader's
+  - class_path: autotune.callbacks.ApplyPlan
+    init_args:
+      reshard_after_forward: true  # fsdp: free gathered parameters after each block's forward (ZeRO-3; false: ZeRO-2)
+      cpu_offload: false  # fsdp: parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
+      activation_checkpointing: 0.0  # share of repeated blocks recomputed in backward: less memory, more compute
+      activation_offload: false  # keep saved activations on the host during backward: less device memory, more copies
+      optimizer_offload: false  # optimizer state on the host, update on the CPU (torchao): less device memory, slower steps
+      optimizer_state: full  # Adam's moments: full (as configured), 8bit or 4bit (torchao): 8 bytes per parameter -> ~2 or ~1
+      compile: false  # torch.compile each repeated block: faster steps after a one-time compile
+      compile_memory_budget: null  # share of activations the compiler keeps for backward, recomputing the rest (null: all)
+      float8: false  # linear layers' matmuls in FP8 (torchao float8 training; GPUs of compute capability 8.9+)
+      expandable_segments: false  # CUDA allocator grows segments in place: less fragmentation
+      num_workers: 0  # DataModule dataloader worker processes (null: the DataModule's own)
+      pin_memory: null  # DataModule page-locked host batches for faster copies (null: the DataModule's own)
+      provenance:  # where this plan came from (read by ApplyPlan and load_plan)
+        format_version: 2
+        budget: 2GiB
+        samples_per_second: 868.369083812651
+        peak_bytes: 327712768
+        produced_by: search (study 'autotune-gpt-train.py:make-2GiB-cpu-cpu', trial 10)
+  precision: bf16-mixed  # numeric precision of weights/activations; *-mixed keeps fp32 weights, halves activations
+  accumulate_grad_batches: 1  # must stay 1: ElasticBatchSize does the accumulation
+"""
+
+
+def test_a_tuned_file_missing_any_key_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+    path = Plan(precision="bf16-mixed", strategy="ddp", devices=2, micro_batch_size=16, budget="2GiB",
+                activation_checkpointing=0.5, provenance=Provenance(budget="2GiB", peak_bytes=2**30)).save(
+        tmp_path / "tuned.yaml")
+    lines = path.read_text().splitlines(keepends=True)
+    assert lines[0].startswith(f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION})")
+    inside_provenance = False
+    checked = []
+    for i, line in enumerate(lines):
+        key = line.split(":")[0].strip().removeprefix("- ")
+        inside_provenance = (inside_provenance or key == "provenance") and not key.startswith(("precision", "accum"))
+        if line.startswith("#") or key in ("trainer", "callbacks+", "class_path", "init_args", "provenance") or (
+                inside_provenance and key != "format_version") or key in ("strategy", "devices"):
+            continue  # structure; what the provenance says; the settings a plan writes only where it sets them
+        path.write_text("".join(lines[:i] + lines[i + 1:]))
+        with pytest.raises(PlanFileError) as info:
+            load_plan(path)
+        assert str(info.value).count("\n") == 0 and f".{key}" in str(info.value), (key, str(info.value))
+        assert "missing; a tuned file (format 3) holds every plan setting, so this one was cut short or edited" in str(
+            info.value)
+        checked.append(key)
+    assert {"precision", "accumulate_grad_batches", "budget", "micro_batch_size", "micro_batch_sample_size", "grow",
+            "activation_checkpointing", "compile", "pin_memory", "format_version"} <= set(checked)
+    assert len(checked) == 2 + 4 + 12 + 1  # the trainer's two, ElasticBatchSize's four, ApplyPlan's twelve, the version
+
+
+def test_a_tuned_file_cut_short_anywhere_is_refused(tmp_path: Path) -> None:
+    path = Plan(precision="bf16-mixed", micro_batch_size=16, budget="2GiB").save(tmp_path / "tuned.yaml")
+    lines = path.read_text().splitlines(keepends=True)
+    for end in range(1, len(lines)):  # the file's first `end` lines: every cut from the header on
+        path.write_text("".join(lines[:end]))
+        with pytest.raises(PlanFileError):
+            load_plan(path)
+    path.write_text("".join(lines))
+    assert load_plan(path).precision == "bf16-mixed"
+
+
+def test_an_older_tuned_file_loads_when_whole_and_is_refused_cut(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(FORMAT_2_FILE)
+    plan = load_plan(path)
+    assert (plan.precision, plan.micro_batch_size, plan.budget) == ("bf16-mixed", 32, "2GiB")
+    path.write_text(FORMAT_2_FILE.replace("  precision: bf16-mixed", "  # precision: bf16-mixed"))
+    with pytest.raises(PlanFileError, match=r"^[^\n]*old.yaml: trainer.precision: missing; a tuned file \(format 2\) "
+                                            r"holds every plan setting[^\n]*$"):
+        load_plan(path)
+
+
+def test_a_plan_file_written_by_hand_takes_the_defaults_it_leaves_out(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"  # no first line of a tuned file: a config of the user's, read as it is
+    path.write_text("trainer:\n  callbacks+:\n  - class_path: autotune.callbacks.ElasticBatchSize\n"
+                    "    init_args: {micro_batch_size: 8}\n  - class_path: autotune.callbacks.ApplyPlan\n"
+                    "    init_args: {activation_checkpointing: 1.0}\n")
+    plan = load_plan(path)
+    assert (plan.precision, plan.micro_batch_size, plan.activation_checkpointing, plan.budget) == ("32-true", 8, 1.0,
+                                                                                                   None)
+
+
+@pytest.mark.slow
+def test_a_tuned_plan_trains_at_its_measured_micro_batch_unless_the_file_says_grow(tmp_path: Path) -> None:
+    from tests.support.examples import load_example
+
+    train = load_example("gpt")
+    tuned = Plan(micro_batch_size=16, budget="2GiB").save(tmp_path / "tuned.yaml")
+    text = tuned.read_text()
+    assert "      grow: false  # false: stays at the measured micro_batch_size (an OOM still halves it)" in text
+
+    def elastic_after(path: Path) -> ElasticBatchSize:
+        cli = train.main(["fit", "--config", str(ROOT / "examples/gpt/config.yaml"), "--config", str(path),
+                          "--trainer.max_steps=56", "--trainer.limit_train_batches=1.0", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                          "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}"])
+        (elastic,) = [c for c in cli.trainer.callbacks if isinstance(c, ElasticBatchSize)][-1:]
+        assert cli.trainer.global_step == 56
+        return elastic
+
+    kept = elastic_after(tuned)  # past grow_after (50 clean steps), with room to spare in 2GiB
+    assert kept.micro_batch_size == 16 and not [e for e in kept.events if e.kind == "grow"]
+    grows = tmp_path / "grows.yaml"
+    grows.write_text(text.replace("      grow: false", "      grow: true"))  # the user asks for it
+    grown = elastic_after(grows)
+    assert grown.micro_batch_size == 32 and [(e.previous, e.micro_batch_size) for e in grown.events] == [(16, 32)]
+
+
+def test_a_callback_a_later_one_replaces_says_so_in_a_sentence(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    users, tuned = ElasticBatchSize(micro_batch_size=8, grow_after=10), ElasticBatchSize(
+        **Plan(micro_batch_size=32, budget="2GiB").elastic_kwargs())
+    mine, theirs = ApplyPlan(), ApplyPlan(activation_checkpointing=0.5, compile=True)
+    trainer = SimpleNamespace(callbacks=[users, mine, tuned, theirs])
+    with caplog.at_level(logging.INFO):
+        users.setup(trainer, None, "fit")  # type: ignore[arg-type]
+        mine.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == [
+        "ElasticBatchSize: the later one in the callbacks (budget 2GiB, micro-batch 32, no growing) runs in place of "
+        "this one (no budget, micro-batch 8, growing after 10 clean steps).",
+        "ApplyPlan: the later one in the callbacks (ckpt 0.5, compile) runs in place of this one (no settings)."]
+    assert users.engine is None and not mine.active

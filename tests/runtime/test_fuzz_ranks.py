@@ -1,6 +1,7 @@
 """The fault fuzzer: seeded scenarios on 2 CPU ranks (gloo), each a few steps of ``ElasticBatchSize`` under DDP
 (buffers broadcast or not) or FSDP2, on models with and without buffers, BatchNorm, a buffer the forward updates and
-uses, a layer with collectives in forward and backward (a SyncBatchNorm stand-in), a transformers BERT; each rank pads
+uses, a layer with collectives in forward and backward (a SyncBatchNorm stand-in), an all-gather of each micro-batch's rows
+(a contrastive loss's), a transformers BERT; each rank pads
 its batches to lengths of its own; out-of-memory errors raised in forward, in backward, in an optimizer pre-hook or
 inside the first update, on some ranks, at the first step or a later one, once or at every micro-batch above a size.
 
@@ -23,7 +24,7 @@ import torch
 from tests.support.ranks import run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fuzz_ranks_run.py"
-MODELS = ("mlp", "buffer", "batchnorm", "normaliser", "collective", "bert")
+MODELS = ("mlp", "buffer", "batchnorm", "normaliser", "collective", "gather", "bert")
 #: Scenarios per strategy in one CI run (``--fuzz-scenarios`` overrides).
 DEFAULT_SCENARIOS = {"ddp": 14, "fsdp": 8}
 

@@ -1,6 +1,7 @@
 """Ranks that differ, as users meet them (2 CPU ranks, gloo): a model with buffers under DDP's default broadcast and
 an OOM on one rank, ranks whose batches have shapes of their own, BatchNorm and a running normaliser without any OOM,
-and a layer that makes collectives in forward and backward with an OOM before or after them, under DDP and FSDP2.
+a layer that makes collectives in forward and backward with an OOM before or after them, under DDP and FSDP2, and
+a collective whose size follows the micro-batch (a contrastive loss's all-gather of its rows).
 Each runs as one scenario of the fault fuzzer's runner (``fuzz_ranks_run.py``) and is checked as the fuzzer checks:
 no hang, weights and buffers equal native accumulation on the same samples, steps and samples exact."""
 
@@ -21,9 +22,9 @@ DEFAULTS: dict[str, Any] = {}  # ElasticBatchSize() as a new user writes it
 
 
 def scenario(k: int, model: str, *, strategy: str = "ddp", lengths: Any = None, faults: Any = (), steps: int = 3,
-             elastic: Any = None, broadcast: bool = True) -> dict[str, Any]:
+             elastic: Any = None, broadcast: bool = True, batch: int = 8) -> dict[str, Any]:
     return {"id": k, "strategy": strategy, "broadcast_buffers": broadcast, "model": model, "optimizer": "adamw",
-            "steps": steps, "batch": 8, "lengths": lengths or [[8] * steps, [6] * steps], "faults": list(faults),
+            "steps": steps, "batch": batch, "lengths": lengths or [[8] * steps, [6] * steps], "faults": list(faults),
             "elastic": DEFAULTS if elastic is None else elastic}
 
 
@@ -51,6 +52,16 @@ PLAN = [
     # ... and under FSDP2, an OOM in an optimizer step pre-hook, before the step calls the closure (it hung).
     scenario(7, "mlp", strategy="fsdp", faults=[once(1, "step_pre", 1)]),
     scenario(8, "collective", strategy="fsdp", faults=[once(0, "forward", 1)]),
+    # 5. A collective whose size follows the micro-batch (a contrastive loss's all-gather of its rows, with gradients),
+    # batch 16: at micro-batch 5 the rank whose count was the largest kept 5, 5, 5, 1 while its peer split 4, 4, 4, 4
+    # (gloo aborted); after a one-rank OOM at 6, 3, 3, 3, 3, 3, 1 against 3, 3, 3, 3, 2, 2; ranks of shapes of
+    # their own meet at equal sizes too.
+    scenario(9, "gather", batch=16, lengths=[[8] * 3] * 2, elastic={"micro_batch_size": 5}),
+    scenario(10, "gather", batch=16, lengths=[[8] * 3] * 2, faults=[once(0, "forward", 1)],
+             elastic={"micro_batch_size": 6}),
+    scenario(11, "gather", strategy="fsdp", batch=16, lengths=[[8] * 3] * 2, faults=[once(0, "forward", 1)],
+             elastic={"micro_batch_size": 6}),
+    scenario(12, "gather", batch=16, lengths=[[6, 12, 9], [12, 5, 16]], elastic={"micro_batch_size": 5}),
 ]
 
 
@@ -90,6 +101,16 @@ def test_a_rank_whose_micro_batch_fits_is_not_shrunk_by_its_peers_ooms(results: 
     assert [e for e in padded["events"] if e[0] == "oom"]  # rank 0's own OOMs, replayed by both ranks
     assert short["sizes"] == [[8]] * 8  # rank 1 ran every batch whole
     assert {e[0] for e in short["events"]} == {"peer_oom"} and all(e[1] == e[2] == 8 for e in short["events"])
+
+
+@pytest.mark.slow
+def test_a_collective_that_follows_the_micro_batch_meets_equal_sizes_on_every_rank(
+        results: dict[int, list[dict[str, Any]]]) -> None:
+    for k, want in ((9, [[5, 5, 5, 1]] + [[4, 4, 4, 4]] * 2), (10, [[6, 6, 4]] + [[3, 3, 3, 3, 2, 2]] * 2),
+                    (11, [[6, 5, 5]] + [[3, 3, 3, 3, 2, 2]] * 2)):
+        assert [rank["sizes"] for rank in finished(results, k)] == [want, want], k  # (exact: above)
+    first, second = (rank["sizes"] for rank in finished(results, 12))
+    assert first == second
 
 
 @pytest.mark.slow

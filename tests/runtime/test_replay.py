@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+import lightning as L
 from lightning.pytorch import Callback
 
 from autotune import OutOfMemoryAtMinimumError
@@ -504,3 +506,31 @@ def test_max_and_min_logs_are_combined_on_the_values_device_without_reading_them
         assert _combine(values, [1.0, 1.0], "max").dtype == torch.float32
     assert float(_combine([torch.tensor(2), 2.5], [1.0, 1.0], "max")) == 2.5
     assert float(_combine([2.5, torch.tensor(3)], [1.0, 1.0], "min")) == 2.5
+
+
+class _CountsHooks(L.Callback):
+    def __init__(self) -> None:
+        self.before_step = 0
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.before_step += 1
+
+
+def test_hooks_and_clipping_run_once_per_step_after_an_oom_in_the_first_update() -> None:
+    class Clipped(ToyModel):
+        clips: list[int] = []
+
+        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                        gradient_clip_algorithm: Any = None) -> None:
+            self.clips.append(self.trainer.global_step)
+            self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                                gradient_clip_algorithm=gradient_clip_algorithm)
+
+    fault = Fault("step_start", limit=8, steps=lambda s: s == 0)  # the protected first update, once
+    model = Clipped(fault=fault)
+    counts = _CountsHooks()
+    cb = ElasticBatchSize()
+    trainer(callbacks=[cb, counts], max_steps=4, gradient_clip_val=0.5).fit(model, loader(64, 16))
+    assert fault.hits == [(0, 16)] and [(e.kind, e.step) for e in cb.events] == [("oom", 0)]
+    assert counts.before_step == 4  # 4 optimizer steps: not 5 (the failed attempt's hooks and the replay's)
+    assert model.clips == [0, 0, 1, 2, 3]  # clipping acts on the gradients the update uses: the replay's too

@@ -188,9 +188,12 @@ def test_ranks_with_different_lengths_split_by_their_own_shape_exactly(tmp_path:
     for r, (result, reference) in enumerate(zip(ranks, native)):
         assert result["global_step"] == reference["global_step"] == len(result["lengths"]), f"rank {r}"
         assert result["ran"] == reference["ran"], f"rank {r}: every sample once, in order"
-        assert result["ooms"] >= 1 or (fault_rank is not None and r != fault_rank), f"rank {r}"
+        # a rank without its own OOM split all the same where its peer's failures set the count (FSDP2: equal counts;
+        # which rank fails first, and whether the other reaches its own failure, is the host's timing)
+        assert result["ooms"] >= 1 or max(result["counts"]) > 1 or (fault_rank is not None and r != fault_rank), r
         for name, value in result["state"].items():
             assert float((value - reference["state"][name]).abs().max()) < tolerance, f"{name} on rank {r}"
+    assert sum(result["ooms"] for result in ranks) >= 1
     if fault_rank is not None:  # only the failing rank's own OOMs count: its peer replays at its own split
         assert ranks[1 - fault_rank]["ooms"] == 0
     if strategy == "fsdp":

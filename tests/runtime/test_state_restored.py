@@ -3,6 +3,8 @@ BatchNorm's running statistics (each found by an adversarial review; each guarde
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from autotune import OutOfMemoryAtMinimumError
 from autotune.callbacks import ElasticBatchSize
+from tests.support.ranks import run_ranks
 from tests.support.toy import Fault, ToyModel, fit, loader, max_weight_diff, reference, unpack
 
 N = 64
@@ -118,3 +121,15 @@ def test_a_buffer_changed_without_a_version_bump_is_put_back_after_a_failed_atte
     model = CountsSamples(fault=Fault("backward", limit=16, steps=lambda s: s == 2))  # 64 and 32 fail at step 2
     fit(model, loader(N * STEPS, N), [ElasticBatchSize(grow=False)])
     assert int(model.samples_seen) == N * STEPS  # each sample counted once: the failed attempts' 96 put back
+
+
+def test_every_rank_resumes_with_its_own_state(tmp_path: Path) -> None:
+    """Rank 1 learned a micro-batch of 4 (rank 0 runs the whole 16): each resumes at its own, with no OOM again
+    (from rank 0's state, rank 1 resumed at 16 and ran out of memory at its first step)."""
+    proc = run_ranks([str(Path(__file__).resolve().parents[1] / "support" / "resume_ranks_run.py"), str(tmp_path)],
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["first"] for r in ranks] == [16, 4]
+    assert [r["resumed_at"] for r in ranks] == [[16], [4]]
+    assert [r["ooms_after_resume"] for r in ranks] == [0, 0]

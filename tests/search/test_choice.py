@@ -21,6 +21,7 @@ from autotune._search.choose import CHOSEN, choose, combine, figures, remeasured
 from autotune._search.meter import relative_half_width, throughput, warmed_up
 from autotune._search.records import TrialSpec
 from autotune._search.speed import modelled_dimensions, ranked_candidates, with_variations
+from tests.support.host import Host
 
 # ------------------------------------------------------------------------------------------------ a trial's timing
 
@@ -152,24 +153,15 @@ def test_runs_combine_to_their_mean_within_the_larger_of_their_precision_and_hal
     assert combine([{"samples_per_second": 3253.7, "interval": [1000.0, 12000.0]}])[1] == 0.0  # never below 0/s
 
 
-def test_overlapping_contenders_are_measured_again_and_the_mean_decides() -> None:
+def test_a_contender_within_reach_is_compared_in_pairs_and_its_ratio_decides() -> None:
     study = _study([("a", 105.0, 6.0, 10, "ok"), ("b", 100.0, 6.0, 10, "ok"), ("c", 50.0, 2.0, 10, "ok"),
                     ("over", 500.0, 5.0, 99, "ok"), ("cut", 300.0, 5.0, 10, "pruned")])
-    again = {"a": [90.0, 92.0], "b": [104.0, 103.0]}  # a's first figure was lucky
-    asked: list[str] = []
-
-    def remeasure(trial: Any) -> dict[str, Any]:
-        plan = trial.user_attrs["plan"]
-        asked.append(plan)
-        rate = again[plan].pop(0)
-        return {"status": "ok", "samples_per_second": rate, "interval": [rate - 3, rate + 3], "peak_bytes": 10}
-
-    best = choose(study, 20, remeasure)
-    assert asked == ["a", "b", "b", "a"]  # round 1: the leader, then its contender; round 2: the new leader first
-    assert best.plan == "b" and best.runs == (100.0, 104.0, 103.0)  # over budget, pruned, far behind: not asked
-    stored = {k: [r["samples_per_second"] for r in v] for k, v in remeasured_runs(study).items()}
-    assert stored == {"0": [90.0, 92.0], "1": [104.0, 103.0]}
-    assert study.user_attrs[CHOSEN]["trial"] == 1 and study.user_attrs[CHOSEN]["samples_per_second"] == 307 / 3
+    host = Host({"a": 90.0, "b": 104.0})  # a's first figure was lucky
+    best = choose(study, 20, host.remeasure)
+    assert host.asked == ["a", "b", "b", "a"]  # A B, then B A: two rounds tell 104/90 from 1
+    assert best.plan == "b"  # over budget, stopped early, far behind: not compared
+    assert {k: len(v) for k, v in remeasured_runs(study).items()} == {"0": 2, "1": 2}  # every run kept
+    assert study.user_attrs[CHOSEN]["trial"] == 1 and study.user_attrs[CHOSEN]["paired"][0]["why"] == "within reach"
     assert [f.plan for f in figures(study, 20)] == ["b", "a", "c"]
 
 
@@ -371,7 +363,8 @@ def test_a_smaller_micro_batch_of_a_traced_shape_is_known_to_fit_and_calibrates_
     baseline = estimator.baseline_for(Plan(micro_batch_size=32))
     assert estimator.traced(Plan(micro_batch_size=4))
     assert baseline == 150 * 2**20 - estimator.tensors(Plan(micro_batch_size=4))
-    assert estimator.baseline_for(Plan(precision="bf16-mixed")) == 100 * 2**20  # other shapes: the first measured
+    # other shapes, not measured: the default shape's line (its nearest measured beyond it, at the whole batch)
+    assert estimator.baseline_for(Plan(precision="bf16-mixed")) == baseline
     # a traced plan calibrates at once, lazily or not
     assert estimator.calibrate(Plan(micro_batch_size=8), 160 * 2**20, lazily=True)
     assert estimator.baseline_for(Plan(micro_batch_size=8)) == 160 * 2**20 - at8
@@ -412,32 +405,24 @@ def test_on_cuda_auto_starts_from_the_context_and_learns_each_shapes_gap_from_it
 
 
 def test_workers_choosing_at_once_keep_each_others_runs_and_do_not_repeat_them(tmp_path: Path) -> None:
-    """Two workers of one study end their searches at once: each re-measurement is kept (one attribute holding them
-    all lost the first worker's runs to the second's write), and a contender the other worker has measured this round
-    is not measured again."""
+    """Two workers of one study end their searches at once: each run is kept (one attribute holding them all lost
+    the first worker's runs to the second's write), and a comparison the other worker stored while this one was
+    running its first round ends this one's after that round."""
     storage = f"sqlite:///{tmp_path}/s.db"
     mine = optuna.create_study(study_name="shared", storage=storage, direction="maximize")
     for trial in _study([("a", 105.0, 6.0, 10, "ok"), ("b", 100.0, 6.0, 10, "ok")]).get_trials():
         mine.add_trial(trial)
     peer = optuna.load_study(study_name="shared", storage=storage)
-    again = {"a": [90.0, 92.0], "b": [104.0, 103.0]}
-    asked: dict[str, list[str]] = {"mine": [], "peer": []}
-
-    def run(rate: float) -> dict[str, Any]:
-        return {"status": "ok", "samples_per_second": rate, "interval": [rate - 3, rate + 3], "peak_bytes": 10}
-
-    def peers(trial: Any) -> dict[str, Any]:
-        asked["peer"].append(trial.user_attrs["plan"])
-        return run(again[trial.user_attrs["plan"]].pop(0))
+    theirs = Host({"a": 90.0, "b": 104.0})
+    asked: list[str] = []
 
     def my(trial: Any) -> dict[str, Any]:
-        asked["mine"].append(trial.user_attrs["plan"])
-        if len(asked["mine"]) == 1:  # while this worker measures its first contender, the peer chooses
-            assert choose(peer, 20, peers).plan == "b"
-        return run(91.0)
+        asked.append(trial.user_attrs["plan"])
+        if len(asked) == 1:  # while this worker measures its first run, the peer chooses
+            assert choose(peer, 20, theirs.remeasure).plan == "b"
+        return Host({"a": 91.0, "b": 103.0}).remeasure(trial)
 
     assert choose(mine, 20, my).plan == "b"
-    assert asked == {"mine": ["a"], "peer": ["a", "b", "b", "a"]}  # b had its runs for the round: not asked again
-    stored = {k: sorted(r["samples_per_second"] for r in v) for k, v in remeasured_runs(mine).items()}
-    assert stored == {"0": [90.0, 91.0, 92.0], "1": [103.0, 104.0]}
-    assert [f.runs for f in figures(peer, 20)] == [(100.0, 104.0, 103.0), (105.0, 90.0, 92.0, 91.0)]
+    assert asked == ["a", "b"] and theirs.asked == ["a", "b", "b", "a"]  # its round, then the peer's comparison
+    assert {k: len(v) for k, v in remeasured_runs(mine).items()} == {"0": 3, "1": 3}
+    assert [len(f.runs) for f in figures(peer, 20)] == [4, 4]

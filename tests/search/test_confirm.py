@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from autotune import Plan
 from autotune._plan.space import Dimension, SearchSpace
-from autotune._search.confirm import MIN_MEASURED, StopWhenConfirmed, observe_trial, predicted_best_first
+from autotune._search.confirm import GUIDED, MIN_MEASURED, StopWhenConfirmed, observe_trial, predicted_best_first
 
 SPACE = SearchSpace("t", "", (Dimension("micro_batch_size", (8, 16, 32)), Dimension("num_workers", (0, 1))))
 
@@ -35,7 +35,8 @@ def _study(measured: dict[int, float]) -> Any:
     return study
 
 
-def _stopper(predicted: float, *, error: float | None, trials: int = 2) -> StopWhenConfirmed:
+def _stopper(predicted: float, *, error: float | None, trials: int = 2,
+             space: SearchSpace = SPACE) -> StopWhenConfirmed:
     """A stopper whose model predicts ``predicted`` samples/s for micro-batch 8 (the one point not measured)."""
     speed = SimpleNamespace(predict=lambda plan: SimpleNamespace(samples_per_second=predicted), error=lambda: error,
                             model=SimpleNamespace(calibration=SimpleNamespace(trials=trials)))
@@ -46,7 +47,7 @@ def _stopper(predicted: float, *, error: float | None, trials: int = 2) -> StopW
     def best(study: Any) -> float:
         return max(t.value for t in study.get_trials(states=(TrialState.COMPLETE,)))
 
-    return StopWhenConfirmed(space=SPACE, speed=speed, best=best, candidates=candidates,
+    return StopWhenConfirmed(space=space, speed=speed, best=best, candidates=candidates,
                              key=lambda p: str(p.get("micro_batch_size")))  # type: ignore[arg-type]
 
 
@@ -75,6 +76,18 @@ def test_a_queued_variation_the_model_does_not_rank_keeps_the_search_going() -> 
     every = _study({32: 100.0, 16: 90.0, 8: 50.0})
     _stopper(10.0, error=0.1)(every, None)  # nothing left unmeasured
     assert every.stops
+
+
+def test_a_queued_trial_of_a_precision_no_trial_measured_keeps_the_search_going() -> None:
+    space = SearchSpace("t", "", (*SPACE.dimensions, Dimension("precision", ("32-true", "bf16-mixed"))))
+    study = _study({32: 100.0, 16: 90.0})  # measured at the trial's default precision (no precision param: None)
+    study.enqueue_trial({"micro_batch_size": 8, "precision": "bf16-mixed"})  # the model's least sure choice
+    _stopper(10.0, error=0.1, space=space)(study, None)
+    assert not study.stops
+    study = _study({32: 100.0, 16: 90.0})
+    study.enqueue_trial({"micro_batch_size": 8})  # the same point at a precision measured: ruled out by the model
+    _stopper(10.0, error=0.1, space=space)(study, None)
+    assert study.stops
 
 
 def test_the_predicted_best_runs_before_the_seeds_and_each_trial_records_its_prediction() -> None:
@@ -113,3 +126,14 @@ def test_a_searchs_predictions_do_not_depend_on_what_was_traced_before() -> None
     fresh, used = speed(), speed()
     used.estimator.tensors(Plan(micro_batch_size=2))  # the memory side traced micro-batch 2 first
     assert used.seconds_per_sample(Plan(micro_batch_size=32)) == fresh.seconds_per_sample(Plan(micro_batch_size=32))
+
+
+def test_a_point_queued_once_the_model_was_contradicted_keeps_the_search_going() -> None:
+    study = _study({32: 100.0, 16: 90.0})
+    study.enqueue_trial({"micro_batch_size": 8}, user_attrs={GUIDED: -1})  # re-ranked by the corrected model
+    _stopper(10.0, error=0.1)(study, None)  # the model rules it out: the model that was just shown wrong
+    assert not study.stops
+    first = _study({32: 100.0, 16: 90.0})
+    first.enqueue_trial({"micro_batch_size": 8}, user_attrs={GUIDED: 2})  # the model's first order: ruled out
+    _stopper(10.0, error=0.1)(first, None)
+    assert first.stops

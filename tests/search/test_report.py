@@ -135,3 +135,38 @@ def test_the_table_says_how_far_the_step_time_model_was_from_each_trial_and_that
                          "over 3 trials")
     assert lines[-1] == ("the search stopped early: no plan left unmeasured was predicted to beat 100.0 samples/s by "
                          "the model's error")
+
+
+def test_the_report_says_why_the_chosen_micro_batch_is_not_grown_past() -> None:
+    from autotune._search.report import micro_batch_lines
+
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("budget_bytes", 2**30)
+    study.set_user_attr("batch_size", 64)
+    dists = {"micro_batch_size": optuna.distributions.CategoricalDistribution([8, 16, 32, 64]),
+             "precision": optuna.distributions.CategoricalDistribution(["32-true", "bf16-mixed"])}
+    for micro, precision, sps, peak, status in [(16, "32-true", 100.0, 2**29, "ok"), (32, "32-true", 87.0, 2**29, "ok"),
+                                                (64, "32-true", 0.0, 2**31, "oom"), (64, "bf16-mixed", 120.0, 2**29, "ok")]:
+        study.enqueue_trial({"micro_batch_size": micro, "precision": precision})
+        trial = study.ask(dists)
+        for key, value in (("micro_batch_size", micro), ("samples_per_second", sps), ("peak_bytes", peak),
+                           ("status", status), ("source", "measured")):
+            trial.set_user_attr(key, value)
+        study.tell(trial, sps)
+    choice = {"trial": 0, "samples_per_second": 100.0}
+    assert micro_batch_lines(study, choice) == [
+        "  runs at micro 16 (its tuned file's ElasticBatchSize: grow false): micro 32 measured 13% slower (trial 1); "
+        "micro 64 did not fit (trial 2); grow: true lets it try larger ones when memory allows"]  # not bf16's 64
+    assert micro_batch_lines(study, {"trial": 3, "samples_per_second": 120.0}) == []  # the whole batch
+    assert micro_batch_lines(study, {"trial": 1, "samples_per_second": 87.0})[0].endswith(
+        "micro 64 did not fit (trial 2); grow: true lets it try larger ones when memory allows")
+
+
+def test_the_report_says_why_a_search_stopped_when_the_targets_code_failed() -> None:
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("stopped_by_target", ["target 't.py:make': the first training step raised KeyError: 'x'",
+                                              "  t.py:9, in training_step: return batch['x']"])
+    assert trial_table(study).splitlines()[-3:] == [
+        "the search stopped: the target's own code failed:",
+        "  target 't.py:make': the first training step raised KeyError: 'x'",
+        "  t.py:9, in training_step: return batch['x']"]

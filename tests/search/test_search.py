@@ -53,7 +53,9 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     finished = [t for t in result.study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     rungs = [t for t in finished if t.user_attrs.get(RUNG)]  # halving's plan, where the trials did not measure it
     twins = [t for t in finished if t.user_attrs.get(TWIN) is not None]  # the leader's, without its worker
-    assert len([t for t in finished if t.user_attrs["source"] != "cache" and t not in rungs + twins]) == 3
+    measured = len([t for t in finished if t.user_attrs["source"] != "cache" and t not in rungs + twins])
+    # 3 trials, or 2 where the second confirmed the model (no unmeasured plan predicted, with its error, to win)
+    assert measured == 3 or (measured == 2 and "stopped_by_model" in result.study.user_attrs), measured
     assert [t.user_attrs["plan"] for t in rungs] in ([], ["32-true, micro 32, workers 0"])  # it fits 3GiB
     assert len(twins) <= 1
     # the predicted best first (the largest micro-batch, no recomputation), then the cpu space's seeds
@@ -159,7 +161,9 @@ def test_estimator_rejects_far_over_budget_plans_and_picks_auto_micro_batches(
     # the faster of the plans is chosen, and nothing is left queued
     trials = result.study.get_trials()
     assert [t.user_attrs["source"] for t in trials if t.user_attrs.get("micro_batch_size") == 16] == ["measured"]
-    assert result.plan.micro_batch_size in (chosen, 16) and all(t.state.is_finished() for t in trials)
+    # (auto tried again lower where its measured peak went over: a loaded host moves a CPU peak)
+    autos = {t.user_attrs.get("auto_micro_batch_size") for t in trials} - {None}
+    assert result.plan.micro_batch_size in autos | {16} and all(t.state.is_finished() for t in trials)
 
 
 @pytest.mark.slow
@@ -204,17 +208,32 @@ def test_no_feasible_plan_names_the_smallest_peak(tmp_path: Path, capsys: pytest
                storage=f"sqlite:///{tmp_path}/s.db", out=None, **FAST)
 
 
-def test_a_search_whose_trials_all_crash_stops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_target_that_fails_in_every_plan_stops_before_its_first_trial(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     space = one_point_space(tmp_path, micro_batch_size=[8, 16])
     code = main(["search", f"{FIXTURE}:make_broken", "--budget", "2GiB", "--space", space, "--trials", "20",
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--steps", "1", "--warmup", "1", "--no-progress",
                  "--device", "cpu", "--out", str(tmp_path / "t.yaml")])
-    assert code == 1
-    err = capsys.readouterr().err
-    assert ("autotune: no plan could be measured: 5 trial(s) failed, none for memory, the last with RuntimeError: "
-            "an unrelated bug in this plan") in err
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("make_broken': the first training step raised RuntimeError: an unrelated bug in this plan")
+    assert "search_target.py:" in err[1] and "in training_step: raise RuntimeError" in err[1] and len(err) == 3
     trials = trials_of(f"sqlite:///{tmp_path}/s.db", optuna.get_all_study_names(f"sqlite:///{tmp_path}/s.db")[0])
+    assert trials == []  # its short first run failed: no trial ran
+
+
+def test_a_search_whose_trials_keep_failing_stops_after_five(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"  # every plan names blocks the model does not have: our refusal, not its code's
+    space.write_text("dimensions:\n  micro_batch_size: {choices: [8, 16]}\n"
+                     "  activation_checkpointing: {choices: [[NoSuchBlock]]}\n")
+    with pytest.raises(NoFeasiblePlanError, match=r"no plan could be measured: 5 trial\(s\) failed, none for memory, "
+                                                  r"the last with ValueError: activation_checkpointing names "
+                                                  r"\['NoSuchBlock'\] but the model has no such modules"):
+        search(target=f"{FIXTURE}:make", budget="2GiB", space=str(space), trials=20, device="cpu", out=None,
+               storage=f"sqlite:///{tmp_path}/s.db", study="s", **FAST)
+    trials = trials_of(f"sqlite:///{tmp_path}/s.db", "s")
     assert [t.state for t in trials] == [TrialState.FAIL] * 5  # stopped after 5 failures in a row, not 20
+    assert not any(t.user_attrs.get("target_error") for t in trials)  # none of them the target's own code
 
 
 def test_block_class_names_as_choices_are_searched_without_optuna_s_warning(tmp_path: Path) -> None:
@@ -292,10 +311,11 @@ def test_sigkill_then_resume_retries_the_interrupted_trial_once(tmp_path: Path) 
     env = {**os.environ, "AUTOTUNE_TEST_MARK": str(mark)}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    # The target is loaded by the search, by the short run that measures the CPU baseline, then by each trial.
-    while time.time() < deadline and (not mark.exists() or len(mark.read_text().split()) < 3):
+    # The target is loaded by the search, by the two short runs that measure the CPU baseline (at micro-batch 1 and
+    # at the largest predicted to fit), then by each trial.
+    while time.time() < deadline and (not mark.exists() or len(mark.read_text().split()) < 4):
         time.sleep(0.05)  # polling for a file another process writes; the assertion below does not rely on timing
-    assert mark.exists() and len(mark.read_text().split()) >= 3, "the first trial never started"
+    assert mark.exists() and len(mark.read_text().split()) >= 4, "the first trial never started"
     os.killpg(proc.pid, signal.SIGKILL)  # the search, its fork server and the running trial
     proc.wait()
     [running] = [t for t in trials_of(storage, "killed") if t.state == TrialState.RUNNING]
@@ -340,7 +360,9 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
                 and t.user_attrs.get("source") != "cache" and not t.user_attrs.get(RUNG)
                 and t.user_attrs.get(TWIN) is None]
-    assert 4 <= len(finished) <= 5  # each worker stops once the study has 4 measured; at most one runs past
+    # each worker stops once the study has 4 measured (at most one runs past), or once the model is confirmed (at
+    # least 2 measured, the study says so): which of the two depends on the host's speed
+    assert 4 <= len(finished) <= 5 or (2 <= len(finished) < 4 and "stopped_by_model" in study.user_attrs)
     rungs = [t.user_attrs[RUNG] for t in trials if t.user_attrs.get(RUNG)]
     assert rungs in ([], [64])  # halving's plan (micro-batch 64 fits 2GiB) measured once if the trials had not
     assert len([t for t in trials if t.user_attrs.get(TWIN) is not None]) <= 1  # the leader's plain twin, once
@@ -491,7 +513,7 @@ def test_ctrl_c_ends_in_one_line_and_the_interrupted_trial_runs_again_on_resume(
 
 @pytest.mark.slow
 def test_trials_run_with_the_users_trainer_settings_and_the_tuned_file_records_them(tmp_path: Path) -> None:
-    from autotune._search.trial import user_trainer_settings
+    from autotune._search.settings import user_trainer_settings
 
     config = tmp_path / "config.yaml"
     steps = tmp_path / "steps.txt"

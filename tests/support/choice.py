@@ -8,11 +8,12 @@ import pytest
 def no_remeasurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the in-process searches choose from their trials' own runs, measuring no contender again.
 
-    ``choose.REMEASURE_ROUNDS`` is set to 0; the edge check and the reopening of stopped trials are part of those
-    rounds. Each re-measurement is a trial process, and the plans of a search of 2 timed steps have wide intervals,
-    so most of them overlap and are measured again. The choice is tested in tests/search/test_choice.py,
-    test_simplest.py and test_edge.py; the rest of it (figures, the simplest among equals) still runs here. A search
-    in another process is not affected."""
+    ``choose.MAX_RIVALS`` is set to 0 (no paired comparison) and ``choose.EDGE_SHARE`` to 0 (no second run of a
+    leader on the budget's edge). Each run of a comparison is a trial process, and the plans of a search of 2 timed
+    steps have wide intervals, so most of them would be compared. The choice is tested in
+    tests/search/test_choice.py, test_paired.py, test_simplest.py and test_edge.py; the rest of it (figures, the
+    simplest among equals) still runs here. A search in another process is not affected."""
     import autotune._search.choose
 
-    monkeypatch.setattr(autotune._search.choose, "REMEASURE_ROUNDS", 0)
+    monkeypatch.setattr(autotune._search.choose, "MAX_RIVALS", 0)
+    monkeypatch.setattr(autotune._search.choose, "EDGE_SHARE", 0.0)

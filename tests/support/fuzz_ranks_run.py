@@ -4,7 +4,7 @@ places, then the same steps as native accumulation (plain torch DDP or FSDP2, no
 the splits the elastic run ended with; saves, per scenario, what the test compares.
 
 A scenario (a JSON object, made by ``test_fuzz_ranks.scenarios``): ``strategy`` ddp | fsdp, ``broadcast_buffers``,
-``model`` (mlp | buffer | batchnorm | normaliser | collective | bert), ``optimizer`` adamw | sgd, ``steps``,
+``model`` (mlp | buffer | batchnorm | normaliser | collective | gather (an all-gather of the micro-batch's rows) | bert), ``optimizer`` adamw | sgd, ``steps``,
 ``batch``, ``lengths`` (per rank, per step: each rank pads its batches to lengths of its own), ``faults`` (each:
 ``rank``, ``phase`` forward | backward | step_pre (an optimizer pre-hook, before the closure) | update (inside the
 update, first step only), ``step``, ``cap`` (tokens per micro-batch above which it fires) or ``once``), ``micro``
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +89,10 @@ class Core(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
+        if self.kind == "gather":  # a contrastive loss's gather: every rank's rows of this micro-batch, with gradients
+            h = torch.tanh(self.mid(x)).mean(1)  # (what LightningModule.all_gather(h, sync_grads=True) calls)
+            rows = torch.cat(dist_nn.all_gather(h))
+            return self.head(h - 0.5 * (h @ rows.T).softmax(-1) @ rows)
         if self.kind == "buffer":
             x = x * self.scale
         elif self.kind == "batchnorm":

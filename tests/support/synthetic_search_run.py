@@ -4,7 +4,11 @@ its own: glibc's malloc must be told before the process starts to return large b
 noise is set in the environment the trials inherit. The output also says how many paced steps overran their time
 (``pace``), which breaks the target's known ranking.
 
-Usage: python tests/support/synthetic_search_run.py {search SEEDS | interval RUNS} OUT.json
+With ``--misleading``, the step-time model is wrong the way it is on a CPU whose 16-bit matmuls it misprices (an
+AMX or avx512_bf16 CPU read as one without, or the other way round): every bf16-mixed plan is predicted at 0.4 of what
+it would be, so the model's first order puts every 32-true plan first while bf16-mixed is faster here.
+
+Usage: python tests/support/synthetic_search_run.py {search SEEDS | interval RUNS} [--misleading] OUT.json
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def budget_bytes() -> int:
 def searches(seeds: int) -> dict:
     from autotune import search
     from autotune._search.choose import remeasured_runs
+    from autotune._search.halving import RUNG
+    from autotune._search.twin import TWIN
 
     budget = budget_bytes()
     folder = Path(tempfile.mkdtemp(prefix="autotune-synthetic-"))
@@ -60,7 +66,7 @@ def searches(seeds: int) -> dict:
                         storage=f"sqlite:///{folder}/s{seed}.db", study="synthetic", out=None, device="cpu", **MEASURE)
         trials = [{"number": t.number, "params": t.params, "state": t.state.name, **{
                    k: t.user_attrs.get(k) for k in ("status", "source", "samples_per_second", "peak_bytes",
-                                                    "predicted_peak_bytes")}}
+                                                    "predicted_peak_bytes", RUNG, TWIN)}}
                   for t in result.study.get_trials()]
         return {"seed": seed, "chosen": dict(result.study.trials[result.trial_number].params),
                 "figure": result.figure.as_attrs() if result.figure else None, "trials": trials,
@@ -88,8 +94,29 @@ def pace(log: Path) -> dict:
     return {"runs": len(lines), "steps": sum(s for s, _ in lines), "overruns": sum(o for _, o in lines)}
 
 
+def mislead() -> None:
+    """The model's predictions of bf16-mixed plans at 0.4 of what it would say (see the module's notes)."""
+    import dataclasses
+
+    from autotune._search.speed import SearchSpeed
+
+    calibrated = SearchSpeed._calibrated
+
+    def misprices_bf16(self, plan):  # type: ignore[no-untyped-def]
+        predicted = calibrated(self, plan)
+        if predicted is None or plan.precision != "bf16-mixed":
+            return predicted
+        return dataclasses.replace(predicted, samples_per_second=0.4 * predicted.samples_per_second,
+                                   seconds_per_step=predicted.seconds_per_step / 0.4)
+
+    SearchSpeed._calibrated = misprices_bf16
+
+
 if __name__ == "__main__":
-    mode, count, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    args = [a for a in sys.argv[1:] if a != "--misleading"]
+    if "--misleading" in sys.argv[1:]:
+        mislead()
+    mode, count, path = args[0], int(args[1]), args[2]
     log = Path(tempfile.mkdtemp(prefix="autotune-pace-")) / "pace.log"
     os.environ["AUTOTUNE_SYNTHETIC_PACE_LOG"] = str(log)  # before the first trial: trials inherit it
     out = searches(count) if mode == "search" else intervals(count)

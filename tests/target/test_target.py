@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -288,8 +289,40 @@ def test_attribute_not_callable() -> None:
             f"is not callable (it is a int); it must be a function returning {EXPECTED}")
 
 
-def test_factory_raising() -> None:
-    _raises(f"{FACTORIES}:raises", f"target '{FACTORIES}:raises': raises() raised RuntimeError: no GPU found")
+def test_factory_raising_names_the_users_frame() -> None:
+    from autotune._target.failure import TargetCodeError
+
+    with pytest.raises(TargetCodeError) as info:
+        load_target(f"{FACTORIES}:raises")
+    assert info.value.lines == [f"target '{FACTORIES}:raises': raises() raised RuntimeError: no GPU found",
+                                f"  {FACTORIES}:26, in raises: raise RuntimeError(\"no GPU\\nfound\")"]
+
+
+def test_a_module_without_configure_optimizers_is_refused_at_load(tmp_path: Path) -> None:
+    path = _write(tmp_path / "noopt.py", """\
+        import lightning as L
+        from torch import nn
+
+
+        class NoOptimizer(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Linear(2, 1)
+                self.batch_size = 4
+
+            def training_step(self, batch, batch_idx):
+                return self.net(batch).sum()
+
+            def train_dataloader(self):
+                return [__import__("torch").ones(4, 2)]
+
+
+        def make():
+            return NoOptimizer()
+        """)
+    _raises(f"{path}:make", f"target '{path}:make': NoOptimizer ({os.path.relpath(path)}:5) does not define "
+            "configure_optimizers(), which Lightning's Trainer needs to train: define configure_optimizers() returning "
+            "an optimizer, or give --config a LightningCLI config with an `optimizer:` section")
 
 
 def test_wrong_return_type() -> None:
