@@ -24,11 +24,10 @@ from autotune._search.confirm import GUIDED
 from autotune._search.halving import RUNG
 from autotune._search.twin import TWIN
 from autotune._transforms.blocks import find_blocks
-from autotune._cli.main import main as autotune
 from autotune._search.trial import TrialSpec, run_trial
 from autotune._transforms.blocks import find_blocks
 from autotune.callbacks import ElasticBatchSize
-from tests.support.choice import no_remeasurement
+from tests.support.docs import run_documented, scratch_folder
 from tests.support.examples import load_example, one_thread  # noqa: F401 (one_thread: a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,23 +98,22 @@ def test_make_matches_the_config_and_learns(train: ModuleType) -> None:
 
 
 @pytest.fixture(scope="module")
-def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[optuna.trial.FrozenTrial]]:
-    """The README's search: 2 trials of 2 timed steps, each trial DDP on 2 CPU ranks."""
-    folder = tmp_path_factory.mktemp("ddp_search")
-    storage = f"sqlite:///{folder}/s.db"
-    out = folder / "tuned.yaml"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        no_remeasurement(monkeypatch)  # the tests here are about the trials and the tuned file, not the choice
-        code = autotune(["search", TARGET, "--budget", "2GiB", "--space", "multi_gpu", "--devices", "2",
-                         "--device", "cpu", "--trials", "2", "--steps", "2", "--warmup", "1", "--seed", "0",
-                         "--storage", storage, "--study", "ddp", "--out", str(out), "--no-progress"])
-    return code, out, optuna.load_study(study_name="ddp", storage=storage).get_trials()
+def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[optuna.trial.FrozenTrial]]:
+    """The README's commands as a reader runs them (tests/e2e/test_docs.py leaves this README to this file): the
+    training run, the search (2 trials of 2 timed steps, each trial DDP on 2 CPU ranks) and the tuned run on 2
+    ranks; the search's study and tuned file are what the tests here examine."""
+    folder = scratch_folder(tmp_path_factory.mktemp("ddp_readme"))
+    outputs = run_documented(EXAMPLE / "README.md", cwd=folder)
+    assert [c.split()[:2] for c in outputs] == [["python", "examples/ddp/train.py"], ["autotune", "search"],
+                                                 ["python", "examples/ddp/train.py"]], list(outputs)
+    storage = f"sqlite:///{folder}/autotune.db"
+    [study] = optuna.get_all_study_names(storage)
+    return folder / "tuned.yaml", optuna.load_study(study_name=study, storage=storage).get_trials()
 
 
 @pytest.mark.slow
-def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Path, list[Any]]) -> None:
-    code, out, trials = searched
-    assert code == 0
+def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[Path, list[Any]]) -> None:
+    out, trials = searched
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     # no trial failed; a queued trial the model's contradiction dropped before it ran is the only FAIL Optuna allows
     assert not [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("status") != "dropped"]
@@ -139,7 +137,7 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
     assert plan.devices == 2  # the ranks its figures were measured on, whatever the strategy
     assert plan.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
     assert plan.provenance.samples_per_second and plan.provenance.peak_bytes
-    assert plan.provenance.produced_by.startswith("search (study 'ddp'")
+    assert plan.provenance.produced_by.startswith("search (study 'autotune-ddp-train.py:make-2GiB-multi_gpu-cpu'")
     tuned = yaml.safe_load(out.read_text())
     assert tuned["trainer"]["accumulate_grad_batches"] == 1
     assert tuned["trainer"]["strategy"] == "ddp" if plan.strategy == "ddp" else \
@@ -148,12 +146,12 @@ def test_search_on_two_ranks_measures_ddp_and_fsdp_plans(searched: tuple[int, Pa
 
 @pytest.mark.slow
 def test_tuned_file_configures_ddp_on_two_cpu_ranks_through_the_cli(
-    train: ModuleType, searched: tuple[int, Path, list[Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    train: ModuleType, searched: tuple[Path, list[Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The README's tuned run up to the launch (``run=False``): with ``strategy: ddp`` Lightning starts rank 1 by
     running the script again, which an in-process test cannot let it do."""
     monkeypatch.setattr(sys, "argv", ["train.py"])
-    _, out, _ = searched
+    out, _ = searched
     cli = train.MLPCLI(
         train.MLPClassifier, train.SyntheticClasses, run=False,
         args=["--config", str(CONFIG), "--config", str(out), "--trainer.devices=2", "--trainer.strategy=ddp",
