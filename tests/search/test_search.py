@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = str(ROOT / "tests" / "fixtures" / "search_target.py")
 GPT = str(ROOT / "examples" / "gpt" / "train.py")
 FAST = {"steps": 2, "warmup": 1}
+#: ``python -m autotune`` choosing from the trials' own runs (the subject of the tests using it is elsewhere)
+NO_REMEASUREMENT = str(ROOT / "tests" / "support" / "search_without_remeasurement.py")
 
 
 def one_point_space(tmp_path: Path, seeds: tuple[dict, ...] = (), **dims: list) -> str:
@@ -236,7 +238,8 @@ def test_a_search_whose_trials_keep_failing_stops_after_five(tmp_path: Path) -> 
     assert not any(t.user_attrs.get("target_error") for t in trials)  # none of them the target's own code
 
 
-def test_block_class_names_as_choices_are_searched_without_optuna_s_warning(tmp_path: Path) -> None:
+def test_block_class_names_as_choices_are_searched_without_optuna_s_warning(
+        tmp_path: Path, choice_without_remeasurement: None) -> None:
     space = tmp_path / "space.yaml"
     space.write_text("dimensions:\n  activation_checkpointing: {choices: [[Fan], 0.0]}\n")
     storage = f"sqlite:///{tmp_path}/s.db"
@@ -305,7 +308,7 @@ def test_sigkill_then_resume_retries_the_interrupted_trial_once(tmp_path: Path) 
     mark = tmp_path / "mark"
     storage = f"sqlite:///{tmp_path}/s.db"
     space = one_point_space(tmp_path, micro_batch_size=[8, 16, 32])
-    cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make_slow_start", "--budget", "2GiB", "--space",
+    cmd = [sys.executable, NO_REMEASUREMENT, "search", f"{FIXTURE}:make_slow_start", "--budget", "2GiB", "--space",
            space, "--trials", "3", "--storage", storage, "--study", "killed", "--out", str(tmp_path / "t.yaml"),
            "--device", "cpu", "--steps", "2", "--warmup", "1", "--no-progress", "--seed", "0"]
     env = {**os.environ, "AUTOTUNE_TEST_MARK": str(mark)}
@@ -343,7 +346,7 @@ def test_two_workers_share_a_journal_study_without_duplicates(tmp_path: Path) ->
              {"micro_batch_size": 16, "activation_checkpointing": 1.0})
     space = one_point_space(tmp_path, seeds=seeds, micro_batch_size=[4, 8, 16, 32, 64],
                             activation_checkpointing=[0.0, 1.0])
-    cmd = [sys.executable, "-m", "autotune", "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
+    cmd = [sys.executable, NO_REMEASUREMENT, "search", f"{FIXTURE}:make", "--budget", "2GiB", "--space", space,
            "--trials", "4", "--storage", f"journal:{journal}", "--study", "shared", "--steps", "2", "--warmup", "1",
            "--device", "cpu", "--no-progress"]
     # two workers on one machine: each trial one thread, as docs/search.md says (two trials of 2 threads each on 2
