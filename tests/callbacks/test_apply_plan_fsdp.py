@@ -68,16 +68,6 @@ def test_tuned_file_with_strategy_fsdp_trains_through_lightning_cli(tmp_path: Pa
     assert_fit_finished(proc, steps=2)
 
 
-@pytest.mark.slow
-def test_the_fsdp_example_config_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "fit", "--config",
-         str(ROOT / "examples" / "gpt" / "config.yaml"), "--config", str(ROOT / "examples" / "gpt" / "fsdp.yaml"),
-         "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert_fit_finished(proc, steps=3)
-
-
 def assert_fit_finished(proc: subprocess.CompletedProcess[str], *, steps: int) -> None:
     """Both ranks ran and fit ended at ``steps``. A SIGABRT after that, in gloo's C++ destructors at interpreter exit
     ("terminate called without an active exception": PyTorch's, pytorch/pytorch#179291, docs/troubleshooting.md) is
