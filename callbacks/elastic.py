@@ -338,6 +338,22 @@ class ElasticBatchSize(Callback):
         if self.engine is not None:  # DDP wrapped the module; a hook registered on it in on_fit_start is there
             check_ddp_model(trainer.strategy.model)
 
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_starts(trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches)
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_starts(trainer.num_test_batches)
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_starts(trainer.num_predict_batches)
+
+    def _eval_starts(self, batches: list[int | float]) -> None:
+        if self.engine is not None:  # under DDP: whether the loop's steps vote (its ranks run as many steps)
+            self.engine.eval_loop_starts([float(b) for b in batches])
+
     # -------------------------------------------------------------------------------------------- per batch
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -27,7 +27,7 @@ from autotune._runtime.batch import (
     batch_size_of, combine_outputs, passed_whole, scale_step_output, slice_batch, split_even, split_sizes,
 )
 from autotune._runtime.drain import CollectiveDrain
-from autotune._runtime.evaluation import run_eval_step
+from autotune._runtime.evaluation import loop_votes, run_eval_step
 from autotune._runtime.events import _COUNTS_DIFFER, _DIFFERENT_SPLITS, _NOT_SPLIT, _PASSED_WHOLE, floor_message
 from autotune._runtime.gradients import GradientAverager
 from autotune._runtime.guard import CollectiveGuard
@@ -56,6 +56,8 @@ class ElasticEngine:
         #: Whether the ranks run equal counts of micro-batches: FSDP2 (its forwards gather parameters) and a model
         #: that makes collectives of its own in its micro-batches (known at setup, or learned from a vote).
         self.counts_agree = sharded or collectives
+        self.eval_votes = False  # the evaluation loop running votes its steps (see autotune._runtime.evaluation)
+        self.eval_counts_agree = False  # ... and its ranks run equal counts of parts (its steps make collectives)
         if self.agree.enabled:
             self.guard.install()
         self._zeroed: set[int] = set()  # the closure evaluations of this step whose zero-grad function ran
@@ -93,6 +95,10 @@ class ElasticEngine:
     @property
     def over_budget_events(self) -> int:
         return self.policy.over_budget_events
+
+    def eval_loop_starts(self, batches: list[float]) -> None:
+        """An evaluation loop of ``batches`` steps per dataloader starts (on every rank alike)."""
+        self.eval_votes = loop_votes(self, batches)
 
     def run_eval_step(self, stage: str, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict,
                       module: torch.nn.Module) -> Any:
