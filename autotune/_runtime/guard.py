@@ -4,9 +4,11 @@
 A model may make collectives of its own in forward or backward: SyncBatchNorm's all-gather and all-reduce, a
 torchmetrics metric synced on step, expert-parallel all-to-alls. A rank that runs out of memory before one of them
 never joins it, and its peers would wait inside it forever. While the callback runs (``install`` to ``remove``), the
-collectives of ``torch.distributed`` are wrapped. Inside the step's micro-batches, on the thread that runs them, each
-call is first announced to the other ranks in one small all-reduce (the guard). A peer that failed meets it there
-with its vote, and the collective is not entered. Calls from anywhere else pass straight through (one attribute check).
+collectives of ``torch.distributed`` are wrapped. Inside the step's micro-batches, on whichever thread makes it (on
+CUDA, autograd runs backward on a thread of its own per device: SyncBatchNorm's backward all-reduce is made there),
+each call is first announced to the other ranks in one small all-reduce (the guard). A peer that failed meets it there
+with its vote, and the collective is not entered. Calls outside the micro-batches pass straight through (one
+attribute check).
 
 Collectives that do not go through ``torch.distributed``'s functions are not seen: functional collectives and DTensor
 redistribution (tensor parallelism, refused at setup), calls bound before the callback was set up
@@ -33,16 +35,16 @@ COLLECTIVES = (
 class CollectiveGuard:
     """Wraps ``torch.distributed``'s collectives while installed; ``window(before)`` guards the calls made inside it.
 
-    ``before()`` runs before each guarded call (the ranks' guard, which raises when a peer failed); calls made while
-    one is in progress (``all_gather_object`` calls ``all_gather``), or ``passing()`` (the FSDP2 units' own
-    collectives, which the drain handles), or on another thread, are not guarded.
+    ``before()`` runs before each guarded call, on any thread (the ranks' guard, which raises when a peer failed);
+    calls made on a thread while one is in progress there (``all_gather_object`` calls ``all_gather``; the guard's
+    own all-reduce), or inside ``passing()`` on that thread (the FSDP2 units' own collectives, which the drain
+    handles), are not guarded.
     """
 
     def __init__(self) -> None:
         self.calls = 0  # guarded calls so far (for tests)
         self._before: Callable[[], None] | None = None
-        self._thread: int | None = None
-        self._depth = 0
+        self._local = threading.local()  # ``depth``: this thread's guarded calls in progress and passing() blocks
         self._restore: list[tuple[Any, str, Any]] = []
 
     def install(self) -> None:
@@ -67,36 +69,37 @@ class CollectiveGuard:
 
     @contextmanager
     def window(self, before: Callable[[], None]) -> Iterator[None]:
-        """Guard the collectives this thread makes inside the block with ``before``."""
-        self._before, self._thread, self._depth = before, threading.get_ident(), 0
+        """Guard the collectives made while the block runs, on any thread, with ``before``."""
+        self._before, self._local.depth = before, 0
         try:
             yield
         finally:
-            self._before, self._thread = None, None
+            self._before = None
 
     @contextmanager
     def passing(self) -> Iterator[None]:
-        """Let the collectives made inside the block through unguarded."""
-        self._depth += 1
+        """Let the collectives this thread makes inside the block through unguarded."""
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
         try:
             yield
         finally:
-            self._depth -= 1
+            local.depth -= 1
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         guard = self
 
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            before = guard._before
-            if before is None or guard._depth or guard._thread != threading.get_ident():
+            before, local = guard._before, guard._local
+            if before is None or getattr(local, "depth", 0):
                 return original(*args, **kwargs)
-            guard._depth += 1
+            local.depth = 1
             try:
                 guard.calls += 1
                 before()
                 return original(*args, **kwargs)
             finally:
-                guard._depth -= 1
+                local.depth = 0
 
         return guarded
