@@ -100,7 +100,7 @@ def test_make_matches_the_config_and_learns(train: ModuleType) -> None:
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[optuna.trial.FrozenTrial]]:
     """The README's commands as a reader runs them (tests/e2e/test_docs.py leaves this README to this file): the
-    training run, the search (2 trials of 2 timed steps, each trial DDP on 2 CPU ranks) and the tuned run on 2
+    training run, the search (2 trials of at most 5 timed steps, each trial DDP on 2 CPU ranks) and the tuned run on 2
     ranks; the search's study and tuned file are what the tests here examine."""
     folder = scratch_folder(tmp_path_factory.mktemp("ddp_readme"))
     outputs = run_documented(EXAMPLE / "README.md", cwd=folder)

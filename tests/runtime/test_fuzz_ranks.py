@@ -3,12 +3,16 @@
 uses, a layer with collectives in forward and backward (a SyncBatchNorm stand-in), an all-gather of each micro-batch's rows
 (a contrastive loss's), a transformers BERT; each rank pads
 its batches to lengths of its own; out-of-memory errors raised in forward, in backward, in an optimizer pre-hook or
-inside the first update, on some ranks, at the first step or a later one, once or at every micro-batch above a size.
+inside the first update, on some ranks, at the first step or a later one, once or at every micro-batch above a size;
+some split from each rank's own shapes (``micro_batch_sample_size``), some validate with an all-gather of the rows
+and an OOM there on one rank, some set a DDP option the runtime refuses (a static graph, a communication hook).
 
 Each scenario asserts: no rank hangs (every rank runs to its own end or the deadline, then its stacks are shown),
 every rank's weights and buffers equal native accumulation on the same samples with the same splits (within 1e-6, in
-float64), ``global_step`` and the samples of every step exact; or, where a rank's limit leaves no micro-batch that
-fits, every rank ends with the same error naming that rank. ``--fuzz-scenarios N`` and ``--fuzz-seed S`` run more.
+float64), ``global_step`` and the samples of every step exact, every validation batch's rows gathered once; or, where
+a rank's limit leaves no micro-batch that fits, every rank ends with the same error naming that rank; a refused
+setting ends every rank at setup with its one line. Each CI run tries three seeds (``--fuzz-seed S``: S, S+1, S+2);
+``--fuzz-scenarios N`` runs more scenarios a seed.
 """
 
 from __future__ import annotations
@@ -48,9 +52,18 @@ def scenarios(seed: int, count: int, strategy: str) -> list[dict[str, Any]]:
             else:  # a single failure
                 phase = rng.choice(("forward", "backward", "step_pre", "update"))
                 faults.append({"rank": rank, "phase": phase, "step": 0 if phase == "update" else step, "once": True})
-        out.append({"id": k, "strategy": strategy, "broadcast_buffers": rng.random() < 0.6,
+        scenario = {"id": k, "strategy": strategy, "broadcast_buffers": rng.random() < 0.6,
                     "model": rng.choice(MODELS), "optimizer": rng.choice(("adamw", "sgd")), "steps": steps,
-                    "batch": batch, "lengths": lengths, "faults": faults, "micro": rng.choice((None, None, 4))})
+                    "batch": batch, "lengths": lengths, "faults": faults, "micro": rng.choice((None, None, 4))}
+        if rng.random() < 0.25:  # each rank's split from its own shapes: its lengths against a known-fitting load
+            scenario["elastic"] = {"micro_batch_size": 4, "micro_batch_sample_size": rng.choice((24, 48)),
+                                   "grow_after": 2}
+        if strategy == "ddp" and rng.random() < 0.3:  # validation all-gathers its rows; an OOM there on one rank
+            scenario["eval"] = {"batches": 2, "fault": {"rank": rng.choice((0, 1)), "batch": rng.choice((0, 1)),
+                                                        "cap": rng.choice((1, 2, 4, 8))}}
+        if strategy == "ddp" and rng.random() < 0.1:  # refused at setup, in one line naming the fix
+            scenario["setting"] = rng.choice(("static_graph", "comm_hook"))
+        out.append(scenario)
     return out
 
 
@@ -68,6 +81,12 @@ def check(scenario: dict[str, Any], ranks: list[dict[str, Any]]) -> list[str]:
     problems = []
     floor = expected_floor(scenario)
     errors = [r["error"] for r in ranks]
+    setting = scenario.get("setting")
+    if setting is not None:
+        says = "static_graph=True" if setting == "static_graph" else "hook fp16_compress_hook"
+        if not all(e and e.startswith("MisconfigurationException") and says in e for e in errors):
+            problems.append(f"expected every rank to refuse {setting} at setup; got {errors}")
+        return problems
     if floor is None:  # a single failure that struck a rank already at one sample ends the run too
         floor = next((r for r, result in enumerate(ranks) if 1 in result["fired_at"]), None)
     if floor is not None:
@@ -92,15 +111,30 @@ def check(scenario: dict[str, Any], ranks: list[dict[str, Any]]) -> list[str]:
         if worst > 1e-6:
             problems.append(f"rank {rank}: {where} is {worst:.2e} from native accumulation (splits {result['sizes']}, "
                             f"events {result['events']})")
+        evaluation = scenario.get("eval")
+        if evaluation is not None:  # every validation batch's rows gathered once, from both ranks, in equal parts
+            gathered: dict[int, list[int]] = {}
+            for batch, ids in result["gathered"]:
+                gathered.setdefault(batch, []).extend(ids)
+            want = {b: sorted(val_id(r, b, i) for r in range(2) for i in range(scenario["batch"]))
+                    for b in range(evaluation["batches"])}
+            if {b: sorted(ids) for b, ids in gathered.items()} != want:
+                problems.append(f"rank {rank}: validation gathered {gathered}, not each batch's rows once")
     return problems
 
 
+def val_id(rank: int, batch: int, index: int) -> int:
+    """The id of a validation sample (as fuzz_ranks_run.val_batches numbers them)."""
+    return 50000 + 10000 * rank + 100 * batch + index
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("offset", [0, 1, 2])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_random_faults_on_ranks_that_differ_end_exact_or_together(strategy: str, tmp_path: Path,
+def test_random_faults_on_ranks_that_differ_end_exact_or_together(strategy: str, offset: int, tmp_path: Path,
                                                                    request: pytest.FixtureRequest) -> None:
     count = request.config.getoption("--fuzz-scenarios") or DEFAULT_SCENARIOS[strategy]
-    seed = request.config.getoption("--fuzz-seed")
+    seed = request.config.getoption("--fuzz-seed") + offset
     plan = scenarios(seed, count, strategy)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = run_ranks([str(SCRIPT), str(tmp_path / "plan.json"), str(tmp_path)], timeout=60 + 25 * count)

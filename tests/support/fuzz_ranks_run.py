@@ -8,7 +8,9 @@ A scenario (a JSON object, made by ``test_fuzz_ranks.scenarios``): ``strategy`` 
 ``batch``, ``lengths`` (per rank, per step: each rank pads its batches to lengths of its own), ``faults`` (each:
 ``rank``, ``phase`` forward | backward | step_pre (an optimizer pre-hook, before the closure) | update (inside the
 update, first step only), ``step``, ``cap`` (tokens per micro-batch above which it fires) or ``once``), ``micro``
-(the callback's start; with ``grow_after=2``) or ``elastic`` (the callback's arguments).
+(the callback's start; with ``grow_after=2``) or ``elastic`` (the callback's arguments), ``eval`` (``batches``
+validation batches whose ``validation_step`` all-gathers the rows' ids, and a ``fault``: ``rank``, ``batch``, ``cap``),
+``setting`` (static_graph | comm_hook: a DDP option the runtime refuses).
 """
 
 from __future__ import annotations
@@ -178,6 +180,14 @@ def batches(scenario: dict[str, Any], rank: int) -> list[dict[str, torch.Tensor]
     return out
 
 
+def val_batches(scenario: dict[str, Any], rank: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's validation batches (``test_fuzz_ranks.val_id`` numbers their samples)."""
+    g = torch.Generator().manual_seed(5000 * scenario["id"] + rank)
+    n = scenario["batch"]
+    return [{"ids_in": torch.randint(1, VOCAB, (n, 4), generator=g), "labels": torch.randint(0, CLASSES, (n,), generator=g),
+             "ids": torch.arange(n) + 50000 + 10000 * rank + 100 * b} for b in range(scenario["eval"]["batches"])]
+
+
 # ---------------------------------------------------------------------------------------------- the elastic run
 class FuzzModule(L.LightningModule):
     def __init__(self, scenario: dict[str, Any]) -> None:
@@ -189,6 +199,7 @@ class FuzzModule(L.LightningModule):
         self.fired: set[tuple[int, str]] = set()
         self.fired_at: list[int] = []  # the samples of the micro-batch running at each fault that fired
         self.samples = 0
+        self.gathered: list[tuple[int, list[int]]] = []  # (validation batch, the ids its gather saw)
 
     def configure_model(self) -> None:
         if self.scenario["strategy"] == "fsdp":
@@ -198,6 +209,13 @@ class FuzzModule(L.LightningModule):
             for block in blocks(self.model, self.kind):
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        fault = self.scenario["eval"]["fault"]
+        if self.global_rank == fault["rank"] and batch_idx == fault["batch"] and len(batch["ids"]) > fault["cap"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, in validation)")
+        rows = self.all_gather(batch["ids"].double())  # the part's rows of every rank: equal parts or gloo fails
+        self.gathered.append((batch_idx, sorted(int(i) for i in rows.flatten())))
 
     def faults(self, phase: str) -> list[dict[str, Any]]:
         rank, step = self.global_rank, self.trainer.global_step
@@ -270,14 +288,19 @@ def elastic_run(scenario: dict[str, Any], rank: int) -> dict[str, Any]:
     if scenario["strategy"] == "fsdp":
         strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
-        strategy = DDPStrategy(broadcast_buffers=scenario["broadcast_buffers"])
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        setting = scenario.get("setting")
+        strategy = DDPStrategy(broadcast_buffers=scenario["broadcast_buffers"], static_graph=setting == "static_graph",
+                               ddp_comm_hook=fp16_compress_hook if setting == "comm_hook" else None)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=scenario["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[elastic, record])
     data = torch.utils.data.DataLoader(batches(scenario, rank), batch_size=None)
+    val = torch.utils.data.DataLoader(val_batches(scenario, rank), batch_size=None) if "eval" in scenario else None
     error = None
     try:
-        trainer.fit(module, data)
+        trainer.fit(module, data, val)
     except Exception as exc:  # noqa: BLE001 - what every rank ended with is the result
         error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
@@ -286,7 +309,7 @@ def elastic_run(scenario: dict[str, Any], rank: int) -> dict[str, Any]:
              for name, v in items}
     events = [(e.kind, e.previous, e.micro_batch_size) for e in elastic.events]
     return {"error": error, "fired_at": module.fired_at, "state": state, "sizes": record.sizes, "ran": record.ran, "trace": record.trace,
-            "global_step": trainer.global_step, "events": events}
+            "global_step": trainer.global_step, "events": events, "gathered": module.gathered}
 
 
 # --------------------------------------------------------------------------------------------- the native run
