@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 #: Where a rank at its minimum failed, as the vote carries it.
 _WHERE = ("", "closure", "update")
-#: The vote's slots (the header); DDP appends one per parameter: whether it got a gradient on some rank.
-_FAILED, _FLOOR_RANK, _FLOOR_MICRO, _FLOOR_WHERE, _FLOOR_PEAK, _INSIDE, _DONE, _LEFT, _COLLECTIVES, _BATCH, _NEG = \
-    range(11)
-HEADER = 11
+#: The vote's slots (the header); DDP appends one per parameter: whether it got a gradient on some rank. ``_PART``
+#: and ``_NEG_PART``: at a guard, the size of the micro-batch running (the largest and, negated, the smallest).
+(_FAILED, _FLOOR_RANK, _FLOOR_MICRO, _FLOOR_WHERE, _FLOOR_PEAK, _INSIDE, _DONE, _LEFT, _COLLECTIVES, _BATCH, _NEG,
+ _PART, _NEG_PART) = range(13)
+HEADER = 13
 
 
 class PeerOutOfMemory(RuntimeError):
@@ -104,19 +105,22 @@ class Agreement:
         self.width = width
         self.guards = 0
 
-    def guard(self) -> None:
-        """Before a collective inside a micro-batch: one all-reduce of the vote's shape, marked inside. Raises
-        :class:`PeerOutOfMemory` when another rank failed or left its micro-batches: it will not join the collective."""
+    def guard(self, size: int = 0) -> None:
+        """Before a collective inside a micro-batch of ``size`` samples (0: not known): one all-reduce of the vote's
+        shape, marked inside. Raises :class:`PeerOutOfMemory` when another rank failed or left its micro-batches (it
+        will not join the collective), or stands at its guard in a micro-batch of another size (``left``: their splits
+        differ, and a collective whose size follows the micro-batch would not agree)."""
         if not self.enabled:
             return
         values = [0.0] * self.width
         values[_INSIDE] = values[_COLLECTIVES] = 1.0
         values[_NEG] = -float("inf")
+        values[_PART], values[_NEG_PART] = (float(size), -float(size)) if size else (0.0, -float("inf"))
         reduced = self.max(*values)
         self.guards += 1
         if reduced[_FAILED] > 0:
             raise PeerOutOfMemory()
-        if reduced[_DONE] > 0:
+        if reduced[_DONE] > 0 or (reduced[_NEG_PART] > -float("inf") and reduced[_PART] != -reduced[_NEG_PART]):
             raise PeerOutOfMemory(left=True)
 
     def vote(self, failure: Failure, *, left: bool = False, batch_size: int = 0,
@@ -136,6 +140,7 @@ class Agreement:
         values[_LEFT] = float(left)
         values[_COLLECTIVES] = float(self.guards > 0)
         values[_BATCH], values[_NEG] = float(batch_size), -float(batch_size)
+        values[_NEG_PART] = -float("inf")  # a guard that meets this vote compares its size with its peers' guards only
         values[HEADER:HEADER + len(used)] = [1.0 if u else 0.0 for u in used]
         while True:
             reduced = self.max(*values)

@@ -55,7 +55,7 @@ def run_eval_step(engine: Any, stage: str, step: Callable[..., Any], batch: Any,
         engine.logs.start()
         outputs: list[Any] = []
         own, left = False, False
-        window = engine.guard.window(agree.guard) if voted else contextlib.nullcontext()
+        window = engine.guard.window(lambda: agree.guard(engine.logs.n or 0)) if voted else contextlib.nullcontext()
         try:
             with window:
                 start = 0

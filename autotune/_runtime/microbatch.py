@@ -336,7 +336,7 @@ class ElasticEngine:
         """Before a collective of the model's own inside a micro-batch: noted for the drain, then the guard."""
         if self.drain is not None:
             self.drain.guard_point()
-        self.agree.guard()
+        self.agree.guard(self.sizes[self.index] if self.sizes else 0)
 
     def _vote(self, failure: Failure, *, left: bool, module: torch.nn.Module,
               optimizer: torch.optim.Optimizer) -> Verdict:

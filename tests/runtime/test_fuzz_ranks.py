@@ -145,3 +145,21 @@ def test_random_faults_on_ranks_that_differ_end_exact_or_together(strategy: str,
         problems += [f"scenario {scenario['id']} (seed {seed}: {json.dumps(scenario)}): {p}"
                      for p in check(scenario, ranks)]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_split_by_their_own_shapes_gather_in_equal_parts(strategy: str, tmp_path: Path) -> None:
+    """Issue 55, item 1: each rank's split from its own lengths (``micro_batch_sample_size``; rank 0's samples five
+    times longer at the first step) and an all-gather of each micro-batch's rows, a collective not known at setup.
+    The first step's splits differ ([6, 2] against [8]): the guard before the gather sees the sizes differ, every rank
+    runs the step again in the agreed count of equal parts, and the rest of the run splits alike (it crashed gloo)."""
+    plan = [{"id": 0, "strategy": strategy, "broadcast_buffers": False, "model": "gather", "optimizer": "sgd",
+             "steps": 3, "batch": 8, "lengths": [[16, 16, 4], [3, 3, 12]], "faults": [], "micro": None,
+             "elastic": {"micro_batch_size": 4, "micro_batch_sample_size": 24, "grow_after": 2}}]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = run_ranks([str(SCRIPT), str(tmp_path / "plan.json"), str(tmp_path)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"0.rank{r}.pt", weights_only=False) for r in range(2)]
+    assert check(plan[0], ranks) == []
+    assert ranks[0]["sizes"] == ranks[1]["sizes"]  # equal parts at every step

@@ -102,13 +102,13 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_where_the_model_mislea
 @pytest.mark.alone  # a loaded CPU skews what it measures
 def test_a_trials_interval_holds_the_true_throughput(tmp_path: Path) -> None:
     # Steps scatter by 5% around the truth (no run-to-run offset here): a 95% interval holds the truth in about 19
-    # runs of 20; 12 of 15 leaves room for chance (a miss in 4 of 15 has probability 0.5%).
-    result = _run(tmp_path, "interval", "15", env={"AUTOTUNE_SYNTHETIC_RUN_NOISE": "0"})
+    # runs of 20; 7 of 10 leaves room for chance (a miss in 4 of 10 has probability 0.1%).
+    result = _run(tmp_path, "interval", "10", env={"AUTOTUNE_SYNTHETIC_RUN_NOISE": "0"})
     truth = _truth({"precision": "bf16-mixed", "micro_batch_size": 16, "activation_checkpointing": 0.0})
     runs = result["runs"]
     assert all(r["status"] == "ok" and r["steps_timed"] >= 5 for r in runs)
     held = [r["interval"][0] <= truth <= r["interval"][1] for r in runs]
-    assert sum(held) >= 12, (result["pace"], [(round(r["samples_per_second"]), r["interval"]) for r in runs])
+    assert sum(held) >= 7, (result["pace"], [(round(r["samples_per_second"]), r["interval"]) for r in runs])
     assert all(r["interval"][1] - r["interval"][0] < 0.3 * truth for r in runs)  # not vacuous: within +-15%
 
 

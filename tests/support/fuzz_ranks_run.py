@@ -268,6 +268,13 @@ class FuzzModule(L.LightningModule):
 class Record(L.Callback):
     def __init__(self, elastic: Any) -> None:
         self.elastic, self.sizes, self.ran, self.trace = elastic, [], [], []
+        self.trained: dict[str, torch.Tensor] | None = None  # the state training ended with (before validation)
+
+    def on_validation_start(self, trainer: Any, module: Any) -> None:
+        # Validation under DDP broadcasts rank 0's buffers in its forwards (broadcast_buffers), which native
+        # accumulation, with no validation, does not: the comparison is of what training left.
+        if self.trained is None:
+            self.trained = state_of(module.model)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         sizes = list(self.elastic.engine.sizes)
@@ -304,12 +311,16 @@ def elastic_run(scenario: dict[str, Any], rank: int) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - what every rank ended with is the result
         error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
-    state = {f"{kind}:{name}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-             for kind, items in (("p", module.model.named_parameters()), ("b", module.model.named_buffers()))
-             for name, v in items}
+    state = record.trained if record.trained is not None else state_of(module.model)
     events = [(e.kind, e.previous, e.micro_batch_size) for e in elastic.events]
     return {"error": error, "fired_at": module.fired_at, "state": state, "sizes": record.sizes, "ran": record.ran, "trace": record.trace,
             "global_step": trainer.global_step, "events": events, "gathered": module.gathered}
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters (``p:``) and buffers (``b:``), whole (FSDP2's shards gathered)."""
+    return {f"{kind}:{name}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())) for name, v in items}
 
 
 # --------------------------------------------------------------------------------------------- the native run
@@ -350,9 +361,7 @@ def native_run(scenario: dict[str, Any], rank: int, sizes: list[list[int]]) -> d
         optimizer.step()
         scheduler.step()
         trace.append({n: b.detach().clone() for n, b in model.named_buffers()})
-    state = {f"{k}:{name}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-             for k, items in (("p", model.named_parameters()), ("b", model.named_buffers())) for name, v in items}
-    return {"state": state, "trace": trace}
+    return {"state": state_of(model), "trace": trace}
 
 
 class _Forward:
