@@ -77,7 +77,7 @@ def test_a_tight_budget_search_s_plan_trains_as_written_for_100_steps(tmp_path: 
     low, high = (measure_plan(target=GPT, plan=Plan(micro_batch_size=m), device="cpu", steps=3, warmup=1).peak_bytes
                  for m in (1, 32))
     budget = f"{(low + (high - low) // 2) // 2**20}MiB"
-    result = search(target=GPT, budget=budget, trials=6, steps=8, storage=f"sqlite:///{tmp_path}/s.db",
+    result = search(target=GPT, budget=budget, trials=4, steps=8, storage=f"sqlite:///{tmp_path}/s.db",
                     out=tmp_path / "tuned.yaml", device="cpu", seed=0)
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "train_plan_run.py"), GPT,
                            str(tmp_path / "tuned.yaml"), "100"], capture_output=True, text=True, timeout=600)

@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 
 from autotune import load_plan
 from autotune._cli.main import main
+from autotune._search.confirm import GUIDED
 from autotune._search.halving import RUNG
 from autotune._search.twin import TWIN
 from autotune._search.search import NoFeasiblePlanError, search
@@ -45,7 +46,7 @@ def trials_of(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
 def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: Path) -> None:
     out = tmp_path / "tuned.yaml"
     storage = f"sqlite:///{tmp_path}/s.db"
-    result = search(target=f"{GPT}:make", budget="3GiB", trials=3, storage=storage, out=out, seed=0, device="cpu",
+    result = search(target=f"{GPT}:make", budget="3GiB", trials=2, storage=storage, out=out, seed=0, device="cpu",
                     **FAST)
     plan = load_plan(out)
     assert plan == result.plan
@@ -56,8 +57,9 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     rungs = [t for t in finished if t.user_attrs.get(RUNG)]  # halving's plan, where the trials did not measure it
     twins = [t for t in finished if t.user_attrs.get(TWIN) is not None]  # the leader's, without its worker
     measured = len([t for t in finished if t.user_attrs["source"] != "cache" and t not in rungs + twins])
-    # 3 trials, or 2 where the second confirmed the model (no unmeasured plan predicted, with its error, to win)
-    assert measured == 3 or (measured == 2 and "stopped_by_model" in result.study.user_attrs), measured
+    # its 2 trials, and at most what it left queued of its first trials (halving's ladder runs them)
+    first = [t for t in result.study.get_trials() if t.user_attrs.get(GUIDED, -1) >= 0]
+    assert 2 <= measured <= max(2, len(first)), measured
     assert [t.user_attrs["plan"] for t in rungs] in ([], ["32-true, micro 32, workers 0"])  # it fits 3GiB
     assert len(twins) <= 1
     # the predicted best first (the largest micro-batch, no recomputation), then the cpu space's seeds
