@@ -5,7 +5,8 @@ uses, a layer with collectives in forward and backward (a SyncBatchNorm stand-in
 its batches to lengths of its own; out-of-memory errors raised in forward, in backward, in an optimizer pre-hook or
 inside the first update, on some ranks, at the first step or a later one, once or at every micro-batch above a size;
 some split from each rank's own shapes (``micro_batch_sample_size``), some validate with an all-gather of the rows
-and an OOM there on one rank, some set a DDP option the runtime refuses (a static graph, a communication hook).
+and an OOM there on one rank, some stop mid-run and resume from a checkpoint (every rank's own callback state), some
+set a DDP option the runtime refuses (a static graph, a communication hook).
 
 Each scenario asserts: no rank hangs (every rank runs to its own end or the deadline, then its stacks are shown),
 every rank's weights and buffers equal native accumulation on the same samples with the same splits (within 1e-6, in
@@ -61,6 +62,8 @@ def scenarios(seed: int, count: int, strategy: str) -> list[dict[str, Any]]:
         if strategy == "ddp" and rng.random() < 0.3:  # validation all-gathers its rows; an OOM there on one rank
             scenario["eval"] = {"batches": 2, "fault": {"rank": rng.choice((0, 1)), "batch": rng.choice((0, 1)),
                                                         "cap": rng.choice((1, 2, 4, 8))}}
+        if rng.random() < 0.25:  # stopped after this step, saved and resumed: each rank with its own callback state
+            scenario["resume"] = rng.randrange(1, steps)
         if strategy == "ddp" and rng.random() < 0.1:  # refused at setup, in one line naming the fix
             scenario["setting"] = rng.choice(("static_graph", "comm_hook"))
         out.append(scenario)

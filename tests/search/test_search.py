@@ -62,9 +62,12 @@ def test_search_on_the_bundled_example_writes_a_tuned_file_that_runs(tmp_path: P
     assert 2 <= measured <= max(2, len(first)), measured
     assert [t.user_attrs["plan"] for t in rungs] in ([], ["32-true, micro 32, workers 0"])  # it fits 3GiB
     assert len(twins) <= 1
-    # the predicted best first (the largest micro-batch, no recomputation), then the cpu space's seeds
+    # the predicted best first (the largest micro-batch, no recomputation: 0.0, or 'auto' choosing none, which the
+    # model prices the same under a loose budget), then the cpu space's seeds
     first = finished[0]
-    assert (first.params["micro_batch_size"], first.params["activation_checkpointing"]) == ("auto", 0.0)
+    assert first.params["micro_batch_size"] == "auto"
+    assert first.params["activation_checkpointing"] == 0.0 or (
+        first.params["activation_checkpointing"] == "auto" and set(first.user_attrs["recompute"]) == {"none"})
     assert first.user_attrs["predicted_samples_per_second"] > 0 and first.user_attrs["predicted_bound"]
     assert plan.provenance.prediction["samples_per_second"] > 0
 

@@ -10,7 +10,8 @@ A scenario (a JSON object, made by ``test_fuzz_ranks.scenarios``): ``strategy`` 
 update, first step only), ``step``, ``cap`` (tokens per micro-batch above which it fires) or ``once``), ``micro``
 (the callback's start; with ``grow_after=2``) or ``elastic`` (the callback's arguments), ``eval`` (``batches``
 validation batches whose ``validation_step`` all-gathers the rows' ids, and a ``fault``: ``rank``, ``batch``, ``cap``),
-``setting`` (static_graph | comm_hook: a DDP option the runtime refuses).
+``setting`` (static_graph | comm_hook: a DDP option the runtime refuses), ``resume`` (the step at which a first fit
+stops and saves a checkpoint that a second fit resumes from: each rank its own callback state).
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ class FuzzModule(L.LightningModule):
         from autotune.callbacks import ElasticBatchSize
 
         elastic = next(c for c in self.trainer.callbacks if isinstance(c, ElasticBatchSize))
+        if not elastic.engine.sizes:  # outside a step (torch's checkpoint API steps an optimizer with no state)
+            return False
         self.samples = elastic.engine.sizes[0]  # the attempt's micro-batch (the largest of its split)
         for f in self.faults(phase):
             key = (self.trainer.global_step, phase)
@@ -284,30 +287,50 @@ class Record(L.Callback):
         self.trace.append({n: b.detach().clone() for n, b in module.model.named_buffers()})
 
 
-def elastic_run(scenario: dict[str, Any], rank: int) -> dict[str, Any]:
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
+def elastic_run(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    """The scenario under ``ElasticBatchSize``; with ``resume`` (a step), a first fit stops there and saves a
+    checkpoint, and a second fit, of a new module and callback, resumes from it on the batches left."""
     from autotune.callbacks import ElasticBatchSize
 
-    module = FuzzModule(scenario)
-    elastic = ElasticBatchSize(**scenario.get("elastic", {"micro_batch_size": scenario.get("micro"), "grow_after": 2}))
-    record = Record(elastic)
-    if scenario["strategy"] == "fsdp":
-        strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    def new_trainer(elastic: Any, record: Record, max_steps: int) -> L.Trainer:
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-        setting = scenario.get("setting")
-        strategy = DDPStrategy(broadcast_buffers=scenario["broadcast_buffers"], static_graph=setting == "static_graph",
-                               ddp_comm_hook=fp16_compress_hook if setting == "comm_hook" else None)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=scenario["steps"], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[elastic, record])
-    data = torch.utils.data.DataLoader(batches(scenario, rank), batch_size=None)
+        if scenario["strategy"] == "fsdp":
+            strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            setting = scenario.get("setting")
+            strategy = DDPStrategy(broadcast_buffers=scenario["broadcast_buffers"],
+                                   static_graph=setting == "static_graph",
+                                   ddp_comm_hook=fp16_compress_hook if setting == "comm_hook" else None)
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+                         logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[elastic, record])
+
+    def new_elastic() -> Any:
+        return ElasticBatchSize(**scenario.get("elastic", {"micro_batch_size": scenario.get("micro"), "grow_after": 2}))
+
+    train, resume = batches(scenario, rank), scenario.get("resume")
+    module, elastic = FuzzModule(scenario), new_elastic()
+    record = Record(elastic)
+    trainer = new_trainer(elastic, record, resume or scenario["steps"])
     val = torch.utils.data.DataLoader(val_batches(scenario, rank), batch_size=None) if "eval" in scenario else None
     error = None
     try:
-        trainer.fit(module, data, val)
+        trainer.fit(module, torch.utils.data.DataLoader(train, batch_size=None), None if resume else val)
+        if resume:
+            checkpoint = out / f"{scenario['id']}.ckpt"
+            trainer.save_checkpoint(checkpoint)
+            fired, fired_at = module.fired, module.fired_at
+            module, elastic = FuzzModule(scenario), new_elastic()
+            module.fired, module.fired_at, record.elastic = fired, fired_at, elastic
+            trainer = new_trainer(elastic, record, scenario["steps"])
+            # A resume mid-epoch: Lightning goes on from the step it saved but takes a plain DataLoader from its
+            # start (it cannot skip what the loader gave before), so the loader starts with the batches not yet run.
+            trainer.fit(module, torch.utils.data.DataLoader(train[resume:] + train[:resume], batch_size=None), val,
+                        ckpt_path=checkpoint)
     except Exception as exc:  # noqa: BLE001 - what every rank ended with is the result
         error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
@@ -384,7 +407,7 @@ def main() -> None:
     for scenario in scenarios:
         rank = int(os.environ["LOCAL_RANK"])
         print(f"scenario {scenario['id']} starts", flush=True)
-        result = elastic_run(scenario, rank)
+        result = elastic_run(scenario, rank, out)
         if result["error"] is None and len(result["sizes"]) == scenario["steps"]:
             native = native_run(scenario, rank, result["sizes"])
             result["native"], result["native_trace"] = native["state"], native["trace"]
