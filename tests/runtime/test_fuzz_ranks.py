@@ -31,7 +31,7 @@ from tests.support.ranks import run_ranks
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fuzz_ranks_run.py"
 MODELS = ("mlp", "buffer", "batchnorm", "normaliser", "collective", "gather", "bert")
 #: Scenarios per strategy and seed in one CI run (``--fuzz-scenarios`` overrides).
-DEFAULT_SCENARIOS = {"ddp": 8, "fsdp": 4}
+DEFAULT_SCENARIOS = {"ddp": 6, "fsdp": 3}
 
 
 def scenarios(seed: int, count: int, strategy: str) -> list[dict[str, Any]]:
