@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from autotune._plan.plan import Plan
@@ -103,17 +103,24 @@ def _answers(study: Any, budget_bytes: int) -> dict[str, str]:
     return out
 
 
-def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: int,
-              devices: int = 1) -> tuple[dict[str, Any], int] | None:
-    """The params and micro-batch of the first rung of halving's ladder not measured yet; None once the ladder is
-    answered. ``devices``: the ranks of each trial (a sharded plan carries them)."""
-    point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
+def _rungs(space: SearchSpace, batch_size: int, devices: int) -> Iterator[tuple[tuple[dict[str, Any], int], str]]:
+    """Halving's ladder as rungs of the space (each micro-batch once) and their plans' keys, largest first."""
+    point, seen = plain_point(space), set()
     for micro in ladder(batch_size):
         rung = rung_params(space, point, micro)
         if rung is None or rung[1] in seen:
             continue
         seen.add(rung[1])
-        answer = answers.get(plan_for(rung[0], rung[1], devices).key())
+        yield rung, plan_for(rung[0], rung[1], devices).key()
+
+
+def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: int,
+              devices: int = 1) -> tuple[dict[str, Any], int] | None:
+    """The params and micro-batch of the first rung of halving's ladder not measured yet; None once the ladder is
+    answered. ``devices``: the ranks of each trial (a sharded plan carries them)."""
+    answers = _answers(study, budget_bytes)
+    for rung, key in _rungs(space, batch_size, devices):
+        answer = answers.get(key)
         if answer is None:
             return rung
         if answer != "over":
@@ -124,13 +131,8 @@ def next_rung(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: 
 def halving_key(study: Any, space: SearchSpace, *, batch_size: int, budget_bytes: int,
                 devices: int = 1) -> str | None:
     """The plan key of halving's plan: the first rung of the ladder that fits (None when none was measured to fit)."""
-    point, answers, seen = plain_point(space), _answers(study, budget_bytes), set()
-    for micro in ladder(batch_size):
-        rung = rung_params(space, point, micro)
-        if rung is None or rung[1] in seen:
-            continue
-        seen.add(rung[1])
-        key = plan_for(rung[0], rung[1], devices).key()
+    answers = _answers(study, budget_bytes)
+    for _, key in _rungs(space, batch_size, devices):
         if answers.get(key) != "over":
             return key if answers.get(key) == "fits" else None
     return None
