@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+#: The settings of ``autotune._search.choose`` under which a search measures no contender again.
+NO_REMEASUREMENT = {"MAX_RIVALS": 0, "EDGE_SHARE": 0.0}
+
 
 def no_remeasurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the in-process searches choose from their trials' own runs, measuring no contender again.
@@ -12,8 +15,9 @@ def no_remeasurement(monkeypatch: pytest.MonkeyPatch) -> None:
     leader on the budget's edge). Each run of a comparison is a trial process, and the plans of a search of 2 timed
     steps have wide intervals, so most of them would be compared. The choice is tested in
     tests/search/test_choice.py, test_paired.py, test_simplest.py and test_edge.py; the rest of it (figures, the
-    simplest among equals) still runs here. A search in another process is not affected."""
+    simplest among equals) still runs here. A search in another process is not affected (run it through
+    tests/support/search_without_remeasurement.py)."""
     import autotune._search.choose
 
-    monkeypatch.setattr(autotune._search.choose, "MAX_RIVALS", 0)
-    monkeypatch.setattr(autotune._search.choose, "EDGE_SHARE", 0.0)
+    for name, value in NO_REMEASUREMENT.items():
+        monkeypatch.setattr(autotune._search.choose, name, value)

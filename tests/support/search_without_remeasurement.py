@@ -4,11 +4,15 @@ subject is something else (workers sharing a study, resume after a kill). Run as
 ``python tests/support/search_without_remeasurement.py search ...``."""
 
 import sys
+from pathlib import Path
 
-import autotune._search.choose
-from autotune._cli.main import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import autotune._search.choose  # noqa: E402
+from autotune._cli.main import main  # noqa: E402
+from tests.support.choice import NO_REMEASUREMENT  # noqa: E402
 
 if __name__ == "__main__":
-    autotune._search.choose.MAX_RIVALS = 0
-    autotune._search.choose.EDGE_SHARE = 0.0
+    for name, value in NO_REMEASUREMENT.items():
+        setattr(autotune._search.choose, name, value)
     sys.exit(main())
