@@ -29,6 +29,12 @@ _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _SPEC_PATTERN = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+) *(?P<unit>[a-z]+)?", re.IGNORECASE | re.ASCII)
 
 
+
+def check_bytes(name: str, value: object) -> None:
+    """Refuse ``value`` unless it is a positive int (a count of bytes), naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int of bytes; got {value!r}")
+
 def format_bytes(n: int) -> str:
     """Format a byte count with binary units and two decimals, for tables and messages.
 

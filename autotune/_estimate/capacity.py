@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotune._device.budget import resolve_budget
+from autotune._device.budget import check_bytes, resolve_budget
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.result import Estimate, estimate_device
 from autotune._estimate.trace import Traces
@@ -97,8 +97,8 @@ def estimate_capacity(*, model: Any, batch: Any, device: DeviceSpec, device_memo
         (True, 2, 'fsdp x2, bf16-mixed, micro 4')
     """
     for name, value in (("device_memory_bytes", device_memory_bytes), ("budget_bytes", budget_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name} must be a positive int of bytes; got {value!r}")
+        if value is not None:
+            check_bytes(name, value)
     resolved, what_if = estimate_device(device)
     usable_bytes = budget_bytes if budget_bytes is not None else resolve_budget(
         None, resolved, what_if=what_if, device_memory=device_memory_bytes).budget_bytes

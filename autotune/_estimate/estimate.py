@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune._device.budget import BudgetSpec, ResolvedBudget, resolve_budget
+from autotune._device.budget import BudgetSpec, ResolvedBudget, check_bytes, resolve_budget
 from autotune._device.probe import DeviceSpec
 from autotune._estimate.fake_step import OptimizerFactory
 from autotune._estimate.result import Estimate, estimate_device
@@ -154,8 +154,7 @@ def max_micro_batch_size(
         >>> max_micro_batch_size(model=model, batch=batch, plan=Plan(), budget_bytes=2**30)  # doctest: +SKIP
         24
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int of bytes; got {budget_bytes!r}")
+    check_bytes("budget_bytes", budget_bytes)
     return Traces(model=model, batch=batch, plan=plan, device=device, optimizer=optimizer,
                    world_size=world_size).largest_fit(budget_bytes)
 

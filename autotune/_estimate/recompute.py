@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autotune._device.budget import check_bytes
 from autotune._estimate.fake_step import OptimizerFactory
 from autotune._estimate.speed import SpeedModel, speed_device
 from autotune._estimate.trace import Traces
@@ -142,8 +143,7 @@ def choose(*, model: LightningModule, batch: Any, plan: Plan, budget_bytes: int,
            traced_before: dict[tuple[str, int | None], tuple[int, float, float]] | None = None) -> RecomputeChoice:
     """:func:`choose_recompute` with the device's speeds given. ``traced_before``: the traces' figures of earlier
     choices for the same model and batch (a search chooses again for each calibration: only the greedy runs again)."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int of bytes; got {budget_bytes!r}")
+    check_bytes("budget_bytes", budget_bytes)
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"activation_checkpointing='auto' chooses among repeated blocks, and "
