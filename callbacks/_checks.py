@@ -84,3 +84,12 @@ def check_trainer(trainer: Trainer, pl_module: LightningModule) -> None:
             "ElasticBatchSize needs automatic optimization, but the LightningModule sets "
             "`automatic_optimization = False`. Remove the callback, or switch to automatic optimization."
         )
+
+
+def check_positive_int(name: str, value: object, *, allow_none: bool) -> None:
+    """Refuse an argument that is not a positive int (or None, where ``allow_none``), naming it."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        accepted = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}")

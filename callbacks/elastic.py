@@ -25,7 +25,7 @@ from autotune._runtime.events import ElasticEvent
 from autotune._runtime.microbatch import ElasticEngine
 from autotune._runtime.policy import Memory, MicroBatchPolicy
 from autotune._device.probe import probe_memory
-from autotune.callbacks._checks import check_ddp_model, check_strategy, check_trainer
+from autotune.callbacks._checks import check_ddp_model, check_positive_int, check_strategy, check_trainer
 
 log = logging.getLogger("autotune")
 
@@ -100,7 +100,7 @@ class ElasticBatchSize(Callback):
         sample_size: Callable[[Any], float] | None = None,
         micro_batch_sample_size: float | None = None,
     ) -> None:
-        _check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
+        check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
         if micro_batch_sample_size is not None and (
                 isinstance(micro_batch_sample_size, bool) or not isinstance(micro_batch_sample_size, (int, float))
                 or not 0 < micro_batch_sample_size < math.inf or micro_batch_size is None):
@@ -113,8 +113,8 @@ class ElasticBatchSize(Callback):
         for name, flag in (("grow", grow), ("protect_update", protect_update)):
             if flag not in (True, False):
                 raise ValueError(f"`{name}` must be True or False; got {flag!r}")
-        _check_positive_int("min_micro_batch_size", min_micro_batch_size, allow_none=False)
-        _check_positive_int("grow_after", grow_after, allow_none=False)
+        check_positive_int("min_micro_batch_size", min_micro_batch_size, allow_none=False)
+        check_positive_int("grow_after", grow_after, allow_none=False)
         if micro_batch_size is not None and micro_batch_size < min_micro_batch_size:
             raise ValueError(
                 f"`micro_batch_size` ({micro_batch_size}) must be >= `min_micro_batch_size` ({min_micro_batch_size})"
@@ -415,10 +415,3 @@ def _eval_wrapper(engine: ElasticEngine, stage: str, original: Any, module: Ligh
 
     return step
 
-
-def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        accepted = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}")
