@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.synthetic_search_run import kept_pace
+
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "fixtures"))
 from synthetic_target import true_throughput  # noqa: E402
@@ -49,15 +51,15 @@ def _truth(point: dict) -> float:
     return true_throughput(**point)
 
 
-def _random_search_found(seeds: int, best: dict) -> int:
-    """Of ``seeds`` random searches with the same 6 trials (each a uniform draw from the space's points, as Optuna's
-    RandomSampler makes them, measured exactly: random search's best case), how many chose ``best``."""
+def _random_search_rate(best: dict, seeds: int = 2000) -> float:
+    """The share of random searches with the same 6 trials (each a uniform draw from the space's points, as Optuna's
+    RandomSampler makes them, measured exactly: random search's best case) that choose ``best``."""
     found = 0
     for seed in range(seeds):
         rng = random.Random(seed)
         feasible = [p for p in (rng.choice(POINTS) for _ in range(6)) if _fits(p)]
         found += bool(feasible) and max(feasible, key=_truth) == best
-    return found
+    return found / seeds
 
 
 @pytest.mark.slow
@@ -75,7 +77,6 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_where_the_model_mislea
 
     result = _run(tmp_path, "search", str(SEEDS), "--misleading")
     budget = result["budget_bytes"]
-    found = 0
     for run in result["runs"]:
         measured = [t for t in run["trials"] if t["source"] == "measured"]
         # 6 trials of the search's own; halving's rung and the leader's plain twin, where due, come after them
@@ -85,17 +86,22 @@ def test_the_search_finds_the_known_best_plan_in_6_trials_where_the_model_mislea
             point = {k: t["params"][k] for k in ("precision", "micro_batch_size", "activation_checkpointing")}
             if t["status"] in ("ok", "pruned"):
                 assert (t["peak_bytes"] <= budget) is _fits(point), (point, t["peak_bytes"], budget)
-        found += run["chosen"] == best
     # CPU peaks are measured net of file-backed pages: the resident set also counts the pages of torch's libraries a
     # process has mapped, which depend on the page cache (in a clean clone's freshly installed venv a process mapped
     # 157 MiB of them against 93 MiB once the cache was dropped, and recomputation 16 MiB over its estimate), and
     # the budget then split the plans 2.6 MiB away from a prediction (7 of 10 in CI). Net of them, every prediction
     # is within 1 MiB of its peak and the budget sits 8 MiB from the nearest plan.
-    chosen = [f"{c['precision']} m{c['micro_batch_size']} c{c['activation_checkpointing']}"
-              for c in (run["chosen"] for run in result["runs"])]
-    assert found >= SEEDS - 1, (result["pace"], result["budget_bytes"], chosen)
-    random_found = _random_search_found(SEEDS, best)  # 2 of these 5 seeds (4 of 10 expected)
-    assert found >= random_found + 2, (found, random_found)  # the search measured against random search's best case
+    # Only a search whose paced steps kept their pace is judged: where another process took the CPU the target's
+    # sleeps leave, its known ranking no longer holds (in CI the other test worker's load overran 4% of the steps).
+    # The runner runs further seeds until SEEDS searches kept pace, so a busy host costs time, not the verdict.
+    chosen = [(f"{c['precision']} m{c['micro_batch_size']} c{c['activation_checkpointing']}", run["pace"])
+              for c, run in ((run["chosen"], run) for run in result["runs"])]
+    judged = [run for run in result["runs"] if kept_pace(run["pace"])]
+    assert len(judged) >= 3, (result["pace"], chosen)  # a host busy beyond that tells nothing of the search
+    found = sum(run["chosen"] == best for run in judged)
+    assert found >= len(judged) - 1, (result["budget_bytes"], chosen)
+    random_rate = _random_search_rate(best)  # 0.4
+    assert found / len(judged) >= random_rate + 0.25, (found, len(judged), random_rate)  # random's best case
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 its own: glibc's malloc must be told before the process starts to return large blocks at once
 (``MALLOC_MMAP_THRESHOLD_``), or a CPU trial's peak resident set depends on its allocation history, and the target's
 noise is set in the environment the trials inherit. The output also says how many paced steps overran their time
-(``pace``), which breaks the target's known ranking.
+(``pace``), which breaks the target's known ranking: per search, and in all. A search whose steps did not keep their
+pace (another process took the CPU the target's sleeps leave) says nothing of the search's quality, so ``search
+SEEDS`` runs further seeds, up to ``EXTRA`` more, until ``SEEDS`` searches kept pace.
 
 With ``--misleading``, the step-time model is wrong the way it is on a CPU whose 16-bit matmuls it misprices (an
 AMX or avx512_bf16 CPU read as one without, or the other way round): every bf16-mixed plan is predicted at 0.4 of what
@@ -27,6 +29,12 @@ SPACE = """dimensions:
 """
 TRIALS = 6
 MEASURE = {"steps": 8, "warmup": 1, "interval": 0.05}  # 8 timed steps at most per trial, +-5%
+EXTRA = 3  # seeds run beyond SEEDS at most, where searches did not keep pace
+KEPT_PACE = 0.02  # a search kept pace when at most this share of its paced steps overran
+
+
+def kept_pace(pace: dict) -> bool:
+    return pace["overruns"] <= KEPT_PACE * pace["steps"]
 
 
 def budget_bytes() -> int:
@@ -50,7 +58,7 @@ def budget_bytes() -> int:
     return (fits + over) // 2
 
 
-def searches(seeds: int) -> dict:
+def searches(seeds: int, log: Path) -> dict:
     from autotune import search
     from autotune._search.choose import remeasured_runs
     from autotune._search.halving import RUNG
@@ -62,6 +70,7 @@ def searches(seeds: int) -> dict:
     space.write_text(SPACE)
 
     def one(seed: int) -> dict:
+        before = len(_lines(log))
         result = search(target=TARGET, budget=budget, space=str(space), trials=TRIALS, seed=seed,
                         storage=f"sqlite:///{folder}/s{seed}.db", study="synthetic", out=None, device="cpu", **MEASURE)
         trials = [{"number": t.number, "params": t.params, "state": t.state.name, **{
@@ -70,9 +79,13 @@ def searches(seeds: int) -> dict:
                   for t in result.study.get_trials()]
         return {"seed": seed, "chosen": dict(result.study.trials[result.trial_number].params),
                 "figure": result.figure.as_attrs() if result.figure else None, "trials": trials,
-                "remeasured": remeasured_runs(result.study)}
+                "remeasured": remeasured_runs(result.study), "pace": _sum(_lines(log)[before:])}
 
-    runs = [one(seed) for seed in range(seeds)]  # one at a time: a paced step must not wait for a CPU
+    runs: list[dict] = []
+    for seed in range(seeds + EXTRA):  # one at a time: a paced step must not wait for a CPU
+        if sum(kept_pace(run["pace"]) for run in runs) == seeds:
+            break
+        runs.append(one(seed))
     return {"budget_bytes": budget, "runs": runs}
 
 
@@ -88,9 +101,12 @@ def intervals(runs: int) -> dict:
     return {"runs": out}
 
 
-def pace(log: Path) -> dict:
-    """Paced steps and overruns over every run (each run appends "steps overruns")."""
-    lines = [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
+def _lines(log: Path) -> list[tuple[int, int]]:
+    """Each training run's "steps overruns", in the order the runs ended."""
+    return [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _sum(lines: list[tuple[int, int]]) -> dict:
     return {"runs": len(lines), "steps": sum(s for s, _ in lines), "overruns": sum(o for _, o in lines)}
 
 
@@ -119,5 +135,5 @@ if __name__ == "__main__":
     mode, count, path = args[0], int(args[1]), args[2]
     log = Path(tempfile.mkdtemp(prefix="autotune-pace-")) / "pace.log"
     os.environ["AUTOTUNE_SYNTHETIC_PACE_LOG"] = str(log)  # before the first trial: trials inherit it
-    out = searches(count) if mode == "search" else intervals(count)
-    Path(path).write_text(json.dumps({**out, "pace": pace(log)}))
+    out = searches(count, log) if mode == "search" else intervals(count)
+    Path(path).write_text(json.dumps({**out, "pace": _sum(_lines(log))}))
