@@ -24,11 +24,15 @@ from autotune._plan.config_text import (
 #: 3: every key written (ElasticBatchSize's ``grow`` and ``micro_batch_sample_size`` too), the trainer's settings
 #: after the callbacks, and a file that lacks any of them refused (:func:`missing_keys`); files of formats 1 and 2 load
 #: when they hold what their writers always wrote.
-FORMAT_VERSION = 3
+#: 4: the first line names the trainer settings the plan sets only where it has them (``strategy``, ``devices``), so a
+#: file that lost one of those lines is refused too; files of format 3 load as before.
+FORMAT_VERSION = 4
 ELASTIC = "autotune.callbacks.ElasticBatchSize"
 APPLY = "autotune.callbacks.ApplyPlan"
 #: The trainer settings and ``ElasticBatchSize`` arguments that are plan settings (every ``ApplyPlan`` one is).
 TRAINER_SETTINGS = ("precision", "strategy", "devices")
+#: The trainer settings a file holds only where its plan sets them: the first line names those it holds (format 4).
+_TRAINER_WHERE_SET = ("strategy", "devices")
 #: The class path a sharded plan's strategy is written with (``strategy: fsdp`` in the plan's dict form).
 MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 ELASTIC_SETTINGS = ("budget", "micro_batch_size", "micro_batch_sample_size")
@@ -78,7 +82,9 @@ class PlanFileError(ValueError):
 def render_tuned_file(document: Mapping[str, Any], *, provenance: Mapping[str, Any], command: str | None) -> str:
     """The text of a tuned file: a header saying what was measured, then ``document`` dumped as YAML with a short
     comment on each setting (none inside the provenance)."""
-    lines = [f"{TUNED_HEADER} (tuned-file format {FORMAT_VERSION})."]
+    trainer = document.get("trainer") or {}
+    sets = [f"trainer.{name}" for name in _TRAINER_WHERE_SET if name in trainer]
+    lines = [f"{TUNED_HEADER} (tuned-file format {FORMAT_VERSION}" + (f"; sets {', '.join(sets)}" if sets else "") + ")."]
     if command or provenance.get("command"):
         produced = " ".join(str(command or provenance["command"]).splitlines())  # one comment line, whatever argv held
         lines.append(f"# Produced by: {produced}")
@@ -199,40 +205,50 @@ def read_tuned_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str], l
         raise PlanFileError(f"{path}: cannot read the tuned file as YAML text: {yaml_problem(err)}") from None
     problems: list[str] = []
     where: dict[str, str] = {}
-    return _collect_fields(doc, problems, where, version=claimed_format(text)), where, problems
+    version, sets = claimed_format(text)
+    return _collect_fields(doc, problems, where, version=version, sets=sets), where, problems
 
 
-def claimed_format(text: str) -> int | None:
+def claimed_format(text: str) -> tuple[int | None, tuple[str, ...]]:
     """The format a file's first line claims (``# Tuned by lightning-autotune (tuned-file format 3).``), None for a
-    file that does not claim to be a tuned file (a config of the user's, a plan written by hand).
+    file that does not claim to be a tuned file (a config of the user's, a plan written by hand), and the trainer
+    settings it says it sets where its plan has them (format 4: ``; sets trainer.strategy, trainer.devices``).
 
     Example:
         >>> claimed_format("# Tuned by lightning-autotune (tuned-file format 2).\ntrainer: {}"), claimed_format("a: 1")
-        (2, None)
+        ((2, ()), (None, ()))
+        >>> claimed_format("# Tuned by lightning-autotune (tuned-file format 4; sets trainer.devices).")
+        (4, ('devices',))
     """
     if not text.startswith(TUNED_HEADER):
-        return None
-    match = re.match(re.escape(TUNED_HEADER) + r" \(tuned-file format (\d+)\)", text)
-    return int(match[1]) if match else FORMAT_VERSION
+        return None, ()
+    match = re.match(re.escape(TUNED_HEADER) + r" \(tuned-file format (\d+)(?:; sets ([\w., ]+))?\)", text)
+    if not match:
+        return FORMAT_VERSION, ()
+    sets = tuple(name.strip().removeprefix("trainer.") for name in (match[2] or "").split(",") if name.strip())
+    return int(match[1]), sets
 
 
-def missing_keys(version: int | None, present: set[str], elastic: str, apply: str) -> list[str]:
+def missing_keys(version: int | None, present: set[str], elastic: str, apply: str, *,
+                 sets: tuple[str, ...] = ()) -> list[str]:
     """One problem naming every key a tuned file of format ``version`` always holds and this one lacks (a file cut
     short, a line lost in a merge), from the keys ``present`` (``precision``, ``grow``, ``provenance.format_version``)
     and where its two entries are; none for a file that does not claim to be a tuned file (``version`` None), whose
     settings default.
 
-    A file of format 3 holds every plan setting the writer knows (a sharded plan's strategy and the devices where the
-    plan sets them); one of formats 1 and 2 the keys their writers always wrote (precision, the accumulation, the
-    budget, the micro-batch, the provenance)."""
+    A file of format 3 holds every plan setting the writer knows; one of format 4 also the trainer settings its first
+    line says it ``sets`` (a sharded or replicated plan's strategy, the devices where the plan sets them); one of
+    formats 1 and 2 the keys their writers always wrote (precision, the accumulation, the budget, the micro-batch, the
+    provenance)."""
     if version is None:
         return []
-    wanted = list(_ALWAYS[3 if version >= 3 else 1])
+    wanted = [*(name for name in sets if name in _TRAINER_WHERE_SET), *_ALWAYS[3 if version >= 3 else 1]]
     if version >= 3:
         wanted += [name for name in sorted(constructor_arguments(APPLY)) if name not in ("provenance", *_WHERE_SET)]
     entry = dict.fromkeys((*ELASTIC_SETTINGS, "grow"), elastic)
     missing = [f"trainer.{name}" if name in ("precision", "accumulate_grad_batches")
-               else f"{entry.get(name, apply)}.init_args.{name}" for name in wanted if name not in present]
+               or name in _TRAINER_WHERE_SET else f"{entry.get(name, apply)}.init_args.{name}"
+               for name in wanted if name not in present]
     if not missing:
         return []
     return [f"{', '.join(missing)}: missing; a tuned file (format {version}) holds every plan setting, so this one was "
@@ -240,7 +256,8 @@ def missing_keys(version: int | None, present: set[str], elastic: str, apply: st
             "config of your own"]
 
 
-def _collect_fields(doc: Any, problems: list[str], where: dict[str, str], *, version: int | None) -> dict[str, Any]:
+def _collect_fields(doc: Any, problems: list[str], where: dict[str, str], *, version: int | None,
+                    sets: tuple[str, ...]) -> dict[str, Any]:
     problems += [f"{key}: unknown key{did_you_mean(key, CLI_CONFIG_KEYS)} (a tuned file is a LightningCLI config: "
                  f"{', '.join(CLI_CONFIG_KEYS)})" for key in (doc if isinstance(doc, dict) else ())
                  if key not in CLI_CONFIG_KEYS]
@@ -302,7 +319,7 @@ def _collect_fields(doc: Any, problems: list[str], where: dict[str, str], *, ver
         if required not in found:
             problems.append(f"trainer.{key_name}: no {required} entry")
     if len(found) == 2:  # (an entry missing is a problem of its own)
-        problems += missing_keys(version, present, entries[ELASTIC], entries[APPLY])
+        problems += missing_keys(version, present, entries[ELASTIC], entries[APPLY], sets=sets)
     return fields
 
 

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from autotune._plan.tuned import FORMAT_VERSION
 import yaml
 
 from autotune import Plan
@@ -183,9 +185,9 @@ def test_a_cut_tuned_file_a_setup_check_and_a_misspelt_key_are_one_line_under_li
     first, *rest = run.stdout.splitlines()
     results = [*json.loads(first), {"status": run.returncode, "output": "\n".join(rest) + run.stderr}]
     expected = [
-        (2, f"error: {cut}: trainer.precision, trainer.accumulate_grad_batches: missing; a tuned file (format 3) holds "
-            "every plan setting, so this one was cut short or edited: write it again (autotune search or suggest), or "
-            "delete its first line to use it as a config of your own"),
+        (2, f"error: {cut}: trainer.precision, trainer.accumulate_grad_batches: missing; a tuned file (format "
+            f"{FORMAT_VERSION}) holds every plan setting, so this one was cut short or edited: write it again "
+            "(autotune search or suggest), or delete its first line to use it as a config of your own"),
         (2, f"error: {four}: trainer.accumulate_grad_batches: must be 1; got 4"),
         (2, f"error: {misspelt}: trainr: unknown key; did you mean 'trainer'? (a tuned file is a LightningCLI config: "
             "model, data, trainer, seed_everything, optimizer, lr_scheduler, ckpt_path)"),

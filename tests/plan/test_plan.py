@@ -269,25 +269,38 @@ def test_a_tuned_file_missing_any_key_is_refused_in_one_line_naming_it(tmp_path:
                 activation_checkpointing=0.5, provenance=Provenance(budget="2GiB", peak_bytes=2**30)).save(
         tmp_path / "tuned.yaml")
     lines = path.read_text().splitlines(keepends=True)
-    assert lines[0].startswith(f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION})")
+    assert lines[0] == (f"# Tuned by lightning-autotune (tuned-file format {FORMAT_VERSION}; sets trainer.strategy, "
+                        "trainer.devices).\n")
     inside_provenance = False
     checked = []
     for i, line in enumerate(lines):
         key = line.split(":")[0].strip().removeprefix("- ")
-        inside_provenance = (inside_provenance or key == "provenance") and not key.startswith(("precision", "accum"))
+        inside_provenance = key == "provenance" or (inside_provenance and line.startswith(" " * 8))  # its keys
         if line.startswith("#") or key in ("trainer", "callbacks+", "class_path", "init_args", "provenance") or (
-                inside_provenance and key != "format_version") or key in ("strategy", "devices"):
-            continue  # structure; what the provenance says; the settings a plan writes only where it sets them
+                inside_provenance and key != "format_version"):
+            continue  # structure; what the provenance says
         path.write_text("".join(lines[:i] + lines[i + 1:]))
         with pytest.raises(PlanFileError) as info:
             load_plan(path)
         assert str(info.value).count("\n") == 0 and f".{key}" in str(info.value), (key, str(info.value))
-        assert "missing; a tuned file (format 3) holds every plan setting, so this one was cut short or edited" in str(
-            info.value)
+        assert (f"missing; a tuned file (format {FORMAT_VERSION}) holds every plan setting, so this one was cut short "
+                "or edited") in str(info.value)
         checked.append(key)
-    assert {"precision", "accumulate_grad_batches", "budget", "micro_batch_size", "micro_batch_sample_size", "grow",
-            "activation_checkpointing", "compile", "pin_memory", "format_version"} <= set(checked)
-    assert len(checked) == 2 + 4 + 12 + 1  # the trainer's two, ElasticBatchSize's four, ApplyPlan's twelve, the version
+    assert {"precision", "accumulate_grad_batches", "strategy", "devices", "budget", "micro_batch_size",
+            "micro_batch_sample_size", "grow", "activation_checkpointing", "compile", "pin_memory",
+            "format_version"} <= set(checked)
+    assert len(checked) == 4 + 4 + 12 + 1  # the trainer's four, ElasticBatchSize's four, ApplyPlan's twelve, the version
+
+
+def test_a_format_3_file_without_the_strategy_line_loads_as_its_writer_wrote_it(tmp_path: Path) -> None:
+    """Format 3 wrote ``trainer.strategy`` only where the plan set it and did not say so: its files load as before."""
+    path = Plan(strategy="ddp", devices=2, micro_batch_size=16, budget="2GiB").save(tmp_path / "tuned.yaml")
+    text = path.read_text().replace(f"format {FORMAT_VERSION}; sets trainer.strategy, trainer.devices)", "format 3)")
+    path.write_text(text.replace(f"format_version: {FORMAT_VERSION}", "format_version: 3"))
+    assert (load_plan(path).strategy, load_plan(path).devices) == ("ddp", 2)
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                            if not line.lstrip().startswith("strategy:")))
+    assert (load_plan(path).strategy, load_plan(path).devices) == ("auto", 2)
 
 
 def test_a_tuned_file_cut_short_anywhere_is_refused(tmp_path: Path) -> None:
