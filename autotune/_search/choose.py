@@ -103,11 +103,12 @@ def rivals(study: Any, ranked: list[Figure], budget_bytes: int, *, twin: str | N
     return out[:MAX_RIVALS]
 
 
-def _verdict(incumbent: Figure, rival: Figure, ratio: Ratio) -> tuple[bool, str]:
+def _verdict(incumbent: Figure, rival: Figure, ratio: Ratio, *, halving: int | None = None) -> tuple[bool, str]:
     """Whether ``rival`` replaces ``incumbent`` after their paired comparison (``ratio``: the rival's samples/s over
     the incumbent's, each scaled by what the budget's edge takes off), and why. A plan that adds work (or features)
     to the other wins only when faster beyond the comparison's noise; between plans that add the same (they differ
-    in precision or micro-batch), the faster by the ratio."""
+    in precision or micro-batch), the faster by the ratio, except against halving's plan (trial ``halving``: what the
+    user has without a search), which another plan beats only when faster beyond noise."""
     mine, theirs = incumbent.simplicity(), rival.simplicity()
     if theirs < mine:
         if ratio.slower():
@@ -117,6 +118,10 @@ def _verdict(incumbent: Figure, rival: Figure, ratio: Ratio) -> tuple[bool, str]
         if ratio.faster():
             return True, "replaced: it adds work or features and is faster beyond noise"
         return False, "kept: the other adds work or features and is not faster beyond noise"
+    if not ratio.faster() and not ratio.slower() and halving in (incumbent.trial, rival.trial):
+        if rival.trial == halving:
+            return True, "replaced: halving's plan, and the other is not faster beyond noise"
+        return False, "kept: halving's plan, and the other is not faster beyond noise"
     if ratio.ratio > 1:
         return True, "replaced: faster" + ("" if ratio.faster() else " (within noise)")
     return False, "kept: faster" + ("" if ratio.slower() else " (within noise)")
@@ -135,6 +140,8 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
         return None
     lead = ranked[0]
     contest = rivals(study, ranked, budget_bytes, twin=twin, halving=halving)
+    halving_figure = _by_key(ranked, halving)
+    halving_trial = halving_figure.trial if halving_figure is not None else None
     if not contest and len(lead.runs) == 1 and lead.peak_bytes > (1 - EDGE_SHARE) * budget_bytes:
         add_remeasured(study, lead.trial, remeasure(study.trials[lead.trial]))  # two runs' spread is noise too
     champion, verdicts = lead.trial, []
@@ -151,7 +158,7 @@ def choose(study: Any, budget_bytes: int, remeasure: Callable[[Any], dict[str, A
             replaced, reason = True, "replaced: it did not fit or did not run in a comparison run"
         else:
             ratio = ratio.scaled((theirs.value / theirs.samples_per_second) / (mine.value / mine.samples_per_second))
-            replaced, reason = _verdict(mine, theirs, ratio)
+            replaced, reason = _verdict(mine, theirs, ratio, halving=halving_trial)
         verdicts.append({**ratio.as_attrs(), "why": why, "against": trial.user_attrs.get("plan", str(trial.params)),
                          "incumbent_plan": study.trials[champion].user_attrs.get("plan", "?"), "verdict": reason})
         champion = trial.number if replaced else champion

@@ -110,6 +110,27 @@ def test_between_plans_adding_the_same_the_faster_by_its_ratio_wins() -> None:
     assert study.user_attrs[CHOSEN]["paired"][0]["why"] == "within reach"
 
 
+@pytest.mark.parametrize(("speedup", "expected"), [(1.3, BF16), (1.0, PLAIN)])
+def test_another_precision_beats_halving_s_plan_only_when_faster_beyond_noise(speedup: float, expected: Plan) -> None:
+    """Issue 54's one verdict miss: beside a neighbour, a leader that differed from halving's plan only by its
+    precision was kept at 0.94x [0.49, 1.79] of it. Between plans that add the same work, one faster within noise
+    takes over, except from halving's plan, which the user has without a search: there it must be faster beyond
+    noise, whichever of the two led."""
+    for rows in ([(BF16, 110.0, 10, QUIET), (PLAIN, 100.0, 10, QUIET)], [(PLAIN, 110.0, 10, QUIET),
+                                                                          (BF16, 100.0, 10, QUIET)]):
+        study = _study(rows)
+        host = Host({PLAIN.describe(): 100.0, BF16.describe(): 100.0 * speedup}, scatter=0.05, seed=0)
+        assert choose(study, 20, host.remeasure, halving=PLAIN.key()).plan == expected.describe(), rows
+        (comparison,) = study.user_attrs[CHOSEN]["paired"]
+        assert comparison["why"] == ("halving's plan" if rows[0][0] == BF16 else "within reach")
+        if expected == PLAIN:
+            assert "halving's plan, and the other is not faster beyond noise" in comparison["verdict"]
+    # without a halving plan, the faster within noise wins as before
+    study = _study([(PLAIN, 110.0, 10, QUIET), (BF16, 100.0, 10, QUIET)])
+    host = Host({PLAIN.describe(): 100.0, BF16.describe(): 104.0}, scatter=0.05, seed=0)
+    assert choose(study, 20, host.remeasure).plan == BF16.describe()
+
+
 def test_a_rival_whose_paired_run_goes_over_the_budget_loses() -> None:
     study = _study([(PLAIN, 100.0, 10, QUIET), (BF16, 98.0, 19, QUIET)])
     host = Host({PLAIN.describe(): 100.0, BF16.describe(): 150.0}, peaks={BF16.describe(): 25})
